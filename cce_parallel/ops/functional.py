@@ -1,0 +1,216 @@
+"""`linear_cross_entropy`: input checks, removal of ignored tokens, dispatch, reduction.
+
+Every check runs before any kernel, and each error names the offending argument.
+"""
+
+import math
+import os
+import warnings
+from numbers import Real
+from typing import Optional, Union
+
+import torch
+
+from cce_parallel.ops.autograd import IMPL_TRAITS, LinearCrossEntropyFunction, LossConfig
+
+IMPLS = tuple(IMPL_TRAITS)
+REDUCTIONS = ("none", "sum", "mean")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Mantissa bits per dtype: filtering keeps a probability unless it is below 2**-(bits + 5), the
+# paper's 2**-12 for bf16 (a value that small vanishes when added to one of 2**-5 or more).
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+_warned_fallback = set()
+
+
+def auto_filter_eps(dtype: torch.dtype) -> float:
+    return 2.0 ** -(_MANTISSA_BITS[dtype] + 5)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def _resolve_filter_eps(filter_eps, dtype) -> Optional[float]:
+    if filter_eps is None:
+        return None
+    if isinstance(filter_eps, str):
+        if filter_eps != "auto":
+            raise ValueError(f"filter_eps must be 'auto', a float in [0, 1) or None, got {filter_eps!r}")
+        return auto_filter_eps(dtype)
+    if not _is_real(filter_eps) or not (0.0 <= float(filter_eps) < 1.0):
+        raise ValueError(f"filter_eps must be 'auto', a float in [0, 1) or None, got {filter_eps!r}")
+    return float(filter_eps) if filter_eps > 0 else None
+
+
+def _triton_usable(impl: str, device: torch.device) -> bool:
+    """Whether the Triton kernels run for this device; otherwise warn once and use PyTorch."""
+    if not IMPL_TRAITS[impl].triton:
+        return False
+    reason = None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        reason = "triton is not installed"
+    if reason is None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        reason = "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported) to run the kernels"
+    if reason is None and device.type not in ("cpu", "cuda"):
+        reason = f"no Triton kernels for device type {device.type!r}"
+    if reason is None:
+        return True
+    key = (impl, device.type, reason)
+    if key not in _warned_fallback:
+        _warned_fallback.add(key)
+        warnings.warn(f"cce_parallel: impl={impl!r} falls back to impl='torch': {reason}", stacklevel=3)
+    return False
+
+
+def check_inputs(e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl):
+    """Raise a clear error for any malformed argument (no tensor data is read here)."""
+    for name, t in (("e", e), ("c", c), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if impl not in IMPL_TRAITS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+    if softcap is not None and (not _is_real(softcap) or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap must be a finite positive number or None, got {softcap!r}")
+    if not _is_real(label_smoothing) or not (0.0 <= label_smoothing < 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    if not _is_real(z_loss) or not math.isfinite(z_loss) or z_loss < 0:
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+
+    if e.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"e must be float32, float16 or bfloat16, got dtype {e.dtype}")
+    if c.dtype != e.dtype:
+        raise TypeError(f"mixed dtypes: e is {e.dtype} but c is {c.dtype}")
+    if bias is not None and bias.dtype != e.dtype:
+        raise TypeError(f"mixed dtypes: e is {e.dtype} but bias is {bias.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+    for name, t in (("c", c), ("targets", targets), ("bias", bias)):
+        if t is not None and t.device != e.device:
+            raise ValueError(f"mixed devices: e is on {e.device} but {name} is on {t.device}")
+
+    if c.dim() != 2:
+        raise ValueError(f"c must be 2-D [V, D], got shape {tuple(c.shape)}")
+    if e.dim() < 1 or e.shape[-1] != c.shape[1]:
+        raise ValueError(f"shape mismatch: e {tuple(e.shape)} must end in D={c.shape[1]} (c is {tuple(c.shape)})")
+    if tuple(targets.shape) != tuple(e.shape[:-1]):
+        raise ValueError(f"shape mismatch: targets {tuple(targets.shape)} must equal e.shape[:-1] {tuple(e.shape[:-1])}")
+    if bias is not None and tuple(bias.shape) != (c.shape[0],):
+        raise ValueError(f"bias must have shape ({c.shape[0]},) to match c's V, got {tuple(bias.shape)}")
+    if c.shape[0] == 0:
+        raise ValueError("c has an empty vocabulary (V = 0)")
+
+
+def check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int, lo: int = 0):
+    """Count the non-ignored targets; raise ValueError naming a value outside [lo, lo + vocab_size).
+
+    One device-to-host sync for the whole check.
+    """
+    keep = targets != ignore_index
+    bad = keep & ((targets < lo) | (targets >= lo + vocab_size))
+    n_bad, n_keep = torch.stack([bad.sum(), keep.sum()]).tolist()
+    if n_bad:
+        value = targets[bad].reshape(-1)[0].item()
+        raise ValueError(
+            f"targets must lie in [{lo}, {lo + vocab_size}) or equal ignore_index={ignore_index}; "
+            f"found {value} ({n_bad} such targets)"
+        )
+    return keep, n_keep
+
+
+def linear_cross_entropy(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+    impl: str = "cce",
+    filter_eps: Union[str, float, None] = "auto",
+    return_lse: bool = False,
+):
+    """Cross-entropy of the logits e @ c.T (+ bias) without materializing them.
+
+    Args:
+        e: [..., D] hidden states (float32, float16 or bfloat16).
+        c: [V, D] classifier, same dtype and device.
+        targets: [...] integer class indices, equal to e.shape[:-1].
+        bias: optional [V] classifier bias.
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        softcap: Gemma 2 style soft-capping, logits become softcap * tanh(logits / softcap).
+        label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy.
+        z_loss: adds z_loss * lse**2 per token.
+        reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
+        impl: one of IMPLS (see the README's table).
+        filter_eps: gradient-filter threshold for the filtering impls: "auto", a float or None.
+        return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
+            ignored); it is differentiable.
+
+    Returns:
+        loss, or (loss, lse) when return_lse.
+    """
+    check_inputs(
+        e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
+        z_loss=z_loss, reduction=reduction, impl=impl,
+    )
+    eps = _resolve_filter_eps(filter_eps, e.dtype)
+    vocab = c.shape[0]
+    out_shape = targets.shape
+    e2 = e.reshape(-1, e.shape[-1])
+    t2 = targets.reshape(-1).long()
+    keep, n_keep = check_targets(t2, vocab, ignore_index)
+
+    use_triton = _triton_usable(impl, e.device)
+    kernel_cfg = None
+    if use_triton:
+        from cce_parallel.kernels.config import default_config
+
+        kernel_cfg = default_config(e.device)
+    cfg = LossConfig(
+        impl=impl,
+        softcap=float(softcap) if softcap is not None else None,
+        label_smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+        filter_eps=eps,
+        vocab_size=vocab,
+        use_triton=use_triton,
+        kernel=kernel_cfg,
+    )
+
+    n = t2.shape[0]
+    if n_keep == n:
+        idx = None
+        e_k, t_k = e2, t2
+    else:
+        # Appendix B of the paper: ignored tokens never reach the kernels.
+        idx = torch.nonzero(keep).squeeze(1)
+        e_k, t_k = e2.index_select(0, idx), t2.index_select(0, idx)
+    c_k = c if c.stride(-1) == 1 else c.contiguous()
+    loss_k, lse_k = LinearCrossEntropyFunction.apply(e_k.contiguous(), c_k, bias, t_k, cfg)
+
+    if idx is None:
+        loss, lse = loss_k, lse_k
+    else:
+        loss = loss_k.new_zeros(n).index_copy(0, idx, loss_k)
+        lse = lse_k.new_zeros(n).index_copy(0, idx, lse_k)
+    if reduction == "none":
+        loss = loss.reshape(out_shape)
+    elif reduction == "sum":
+        loss = loss.sum()
+    else:
+        loss = loss.sum() / n_keep if n_keep else loss.sum() * float("nan")
+    if return_lse:
+        return loss, lse.reshape(out_shape)
+    return loss
