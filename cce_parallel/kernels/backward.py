@@ -22,12 +22,19 @@ Vocabulary positions: the program's columns are positions [v_lo, v_hi) of an ord
 With SORTED the ordering is Perm (vocabulary sorted by average logit, so that the few columns with a
 non-negligible softmax sit in the same tiles); otherwise it is the identity.
 
-Gradient filtering (FILTER_E / FILTER_C): a tile is skipped for dE / dC when it holds no target and
-every probability in it is below its row's threshold Thr[n]. The caller sets
-Thr[n] = eps * sum_v |dz[n, v]| / |A[n]|, so a skipped entry adds less than eps relative to the
-L1 mass of its own row's logit gradient. A fixed threshold on p would not be relative: when the
-model is confident, p[target] ~ 1 and the gradient is the small residual 1 - p[target], which the
-dropped tail is a sizeable part of.
+Gradient filtering (FILTER_E / FILTER_C): a tile is skipped for dE / dC when it holds no target and,
+for every row n, the tile's probability mass sum_v p[n, v] (its largest p[n, v] with FILTER_BY_MAX)
+is below the row's threshold Thr[n]. The
+caller sets Thr[n] = eps * sum_v |dz[n, v]| / |A[n]|, so what a skipped tile would add to a row is
+below eps relative to the L1 mass of that row's logit gradient. (A fixed threshold on p would not be
+relative: when the model is confident, p[target] ~ 1 and the gradient is the small residual
+1 - p[target], of which the dropped tail is a sizeable part.)
+
+Centring (CENTER_E): the skipped tiles of a row add up. Their sum is dominated by what the
+classifier rows share, their mean Mu, because sum_v dz[n, v] C[v] = sum_v dz[n, v] (C[v] - Mu)
++ Mu * sum_v dz[n, v], and sum_v dz[n, v] = A[n] - B[n] is known exactly. With CENTER_E the kernel
+accumulates only the centred products; the caller adds Mu * (A - B). What filtering then drops is
+the part of the tail that the shared direction does not explain.
 
 Accumulation into global memory, chosen by the caller through the output pointers' dtypes:
   * the gradient dtype (bf16/fp16/fp32 atomics): the paper's plain CCE;
@@ -67,6 +74,7 @@ def _cce_backward_kernel(
     U_ptr,  # [N] fp32 uniform coefficient (dummy unless HAS_UNIFORM)
     Thr_ptr,  # [N] fp32 per-row probability threshold (dummy unless FILTER_E or FILTER_C)
     Perm_ptr,  # [V] int64 position -> vocabulary row (dummy unless SORTED)
+    Mu_ptr,  # [D] fp32 mean classifier row (dummy unless CENTER_E)
     DE_ptr,  # [N, D] dE accumulator: gradient dtype, fp32 or int64 (FIXED_POINT)
     DC_ptr,  # [V or v_hi - v_lo, D] dC accumulator, same dtype rules
     DB_ptr,  # [V] dbias accumulator, fp32 or int64 (dummy unless HAS_BIAS)
@@ -91,6 +99,8 @@ def _cce_backward_kernel(
     SORTED: tl.constexpr,
     FILTER_E: tl.constexpr,
     FILTER_C: tl.constexpr,
+    CENTER_E: tl.constexpr,
+    FILTER_BY_MAX: tl.constexpr,
     FIXED_POINT: tl.constexpr,
     DC_BY_POSITION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -149,7 +159,11 @@ def _cce_backward_kernel(
     # do_e / do_c are compile-time True when that gradient is unfiltered, else the runtime test.
     if FILTER_E or FILTER_C:
         thr = tl.load(Thr_ptr + offs_n, mask=mask_n, other=float("inf"))
-        big_p = tl.max(tl.max(p - thr[:, None], axis=1), axis=0) >= 0
+        if FILTER_BY_MAX:
+            row_p = tl.max(p, axis=1)
+        else:
+            row_p = tl.sum(p, axis=1)
+        big_p = tl.max(row_p - thr, axis=0) >= 0
         has_t = tl.max(tl.max(is_t.to(tl.int32), axis=1), axis=0) > 0
         keep = big_p | has_t
     else:
@@ -204,6 +218,9 @@ def _cce_backward_kernel(
                     other=0.0,
                 )
                 de = tl.dot(dz_lp, c, input_precision=DOT_PRECISION)
+                if CENTER_E:
+                    mu = tl.load(Mu_ptr + dd, mask=mask_d, other=0.0)
+                    de -= tl.sum(dz, axis=1)[:, None] * mu[None, :]
                 _accumulate(
                     DE_ptr + offs_n[:, None] * stride_den + dd[None, :] * stride_ded,
                     de,
@@ -238,6 +255,7 @@ def cce_backward(
     coef_u,
     threshold,
     perm,
+    mu,
     de,
     dc,
     db,
@@ -257,6 +275,7 @@ def cce_backward(
         e [N, D], c [V, D], bias [V] or None, targets [N] int64 (row in this shard or out of range),
         lse/coef_a/coef_b [N] fp32, coef_u [N] fp32 or None, perm [V] int64 or None.
         threshold: [N] fp32 per-row probability threshold, or None when nothing is filtered.
+        mu: [D] fp32 mean row of c to centre dE on (CENTER_E), or None.
         de [N, D], dc [V or v_hi - v_lo, D], db [V] or None: accumulators, already initialised.
         scales: [3] fp32 tensor for int64 accumulators, or None.
     """
@@ -278,6 +297,7 @@ def cce_backward(
         coef_u if coef_u is not None else dummy,
         threshold if threshold is not None else dummy,
         perm if perm is not None else targets,
+        mu if mu is not None else dummy,
         de,
         dc,
         db if db is not None else dummy,
@@ -302,6 +322,8 @@ def cce_backward(
         SORTED=perm is not None,
         FILTER_E=filter_e,
         FILTER_C=filter_c,
+        CENTER_E=mu is not None,
+        FILTER_BY_MAX=bool(config.bwd_filter_by_max),
         FIXED_POINT=scales is not None,
         DC_BY_POSITION=dc_by_position,
         DOT_PRECISION=dot_precision(e.dtype),

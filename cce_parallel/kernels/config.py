@@ -1,5 +1,9 @@
 """Launch parameters for the CCE kernels: fixed, sane defaults per device (no autotuning by default)."""
 
+import dataclasses
+import functools
+import json
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,11 +30,13 @@ class KernelConfig:
     bwd_group_n: int = 8
     bwd_num_warps: int = 8
     bwd_num_stages: int = 3
-    bwd_v_chunks: int = 8
+    bwd_v_chunks: int = 16
+    bwd_de_chunk_bytes: int = 8 << 20
+    bwd_filter_by_max: int = 0
 
     def __post_init__(self):
         for name, value in self.__dict__.items():
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or value < (0 if name == "bwd_filter_by_max" else 1):
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
         for name in ("fwd_block_n", "fwd_block_v", "fwd_block_d", "bwd_block_n", "bwd_block_v", "bwd_block_d"):
             value = getattr(self, name)
@@ -43,12 +49,34 @@ class KernelConfig:
 INTERPRETER_CONFIG = KernelConfig(
     fwd_block_n=16, fwd_block_v=64, fwd_block_d=32, fwd_programs=8, fwd_num_warps=4, fwd_num_stages=1,
     bwd_block_n=16, bwd_block_v=64, bwd_block_d=32, bwd_group_n=2, bwd_num_warps=4, bwd_num_stages=1,
-    bwd_v_chunks=3,
+    bwd_v_chunks=3, bwd_de_chunk_bytes=4096,
 )
 
 
+_ENV_OVERRIDE = "CCE_PARALLEL_KERNEL_CONFIG"
+
+
+@functools.lru_cache(maxsize=None)
+def _env_override(text: str) -> dict:
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{_ENV_OVERRIDE} must be a JSON object of KernelConfig fields: {err}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{_ENV_OVERRIDE} must be a JSON object of KernelConfig fields, got {text!r}")
+    unknown = set(fields) - {f.name for f in dataclasses.fields(KernelConfig)}
+    if unknown:
+        raise ValueError(f"{_ENV_OVERRIDE}: unknown KernelConfig field(s) {sorted(unknown)}")
+    return fields
+
+
 def default_config(device: torch.device) -> KernelConfig:
+    """The fixed defaults for a device; the environment variable CCE_PARALLEL_KERNEL_CONFIG
+    (a JSON object of field overrides, e.g. '{"bwd_block_n": 128}') replaces any field."""
     if device.type != "cuda":
-        return INTERPRETER_CONFIG
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return replace(KernelConfig(), fwd_programs=4 * sms)
+        cfg = INTERPRETER_CONFIG
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        cfg = replace(KernelConfig(), fwd_programs=4 * sms)
+    text = os.environ.get(_ENV_OVERRIDE)
+    return replace(cfg, **_env_override(text)) if text else cfg

@@ -158,7 +158,7 @@ def lse_forward(
     V = c.shape[0]
     assert c.shape[1] == D and targets.shape == (N,) and targets.dtype == torch.int64
     bn, bv, bd = config.fwd_block_n, config.fwd_block_v, config.fwd_block_d
-    n_blocks = triton.cdiv(N, bn)
+    n_blocks = max(1, triton.cdiv(N, bn))
     v_blocks = triton.cdiv(V, bv)
     splits = max(1, min(v_blocks, triton.cdiv(config.fwd_programs, n_blocks)))
     blocks_per_split = triton.cdiv(v_blocks, splits)

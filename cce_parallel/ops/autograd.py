@@ -137,6 +137,14 @@ _FIXED_POINT_RANGE = 2.0**61  # headroom of 4x below int64's 2**63 for rounding 
 _MIN_BOUND = 2.0**-65  # keeps 2**61 / bound finite in fp32
 
 
+def _max_abs(x):
+    """max |x| as fp32 without an |x|-sized temporary (aminmax reads x once)."""
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(-lo.float(), hi.float())
+
+
 def _fixed_point_scales(e, c, a, b, u, vocab):
     """fp32 [3] scales for dE, dC, dbias such that no int64 partial sum can overflow.
 
@@ -148,8 +156,7 @@ def _fixed_point_scales(e, c, a, b, u, vocab):
     per_tok = a.abs() + b.abs()
     per_tok_e = per_tok + (u.abs() * vocab if u is not None else 0.0)
     per_tok_c = per_tok + (u.abs() if u is not None else 0.0)
-    max_c = c.abs().amax().float() if c.numel() else torch.zeros((), device=c.device)
-    max_e = e.abs().amax().float() if e.numel() else torch.zeros((), device=e.device)
+    max_c, max_e = _max_abs(c), _max_abs(e)
     bounds = torch.stack(
         [per_tok_e.amax() * max_c, per_tok_c.sum() * max_e, per_tok_c.sum()]
     ).double()
@@ -160,9 +167,9 @@ def _fixed_point_scales(e, c, a, b, u, vocab):
 def _uniform_outside(e, c, u, de, dc, db):
     """Apply the label-smoothing term -U[n] to every logit gradient with three small products,
     so that filtering (which only looks at p) can skip tiles without dropping it."""
-    csum = c.float().sum(dim=0)  # [D]
-    de -= (u[:, None] * csum[None, :]).to(de.dtype)
-    dc -= (u @ e.float()).to(dc.dtype)[None, :]
+    csum = c.sum(dim=0, dtype=torch.float32)  # [D], no fp32 copy of c
+    de.addr_(u.to(de.dtype), csum.to(de.dtype), alpha=-1)
+    dc -= (e.t() @ u.to(e.dtype)).to(dc.dtype)[None, :]
     if db is not None:
         db -= u.sum()
 
@@ -179,6 +186,20 @@ def filter_threshold(a, b, lse, zt, eps):
     return torch.where(a != 0, eps * l1 / a.abs(), float("inf")).float()
 
 
+def _propagate_nan(lse, de, dc, db):
+    """Integers hold no NaN: restore it where PyTorch's gradient would have one.
+
+    A non-finite lse[n] means row n's logit gradient is NaN, which poisons dE[n] and, through the
+    sum over tokens, all of dC and dbias. In place, without a host sync.
+    """
+    bad_rows = ~torch.isfinite(lse)
+    de.masked_fill_(bad_rows[:, None], float("nan"))
+    any_bad = bad_rows.any()
+    dc.masked_fill_(any_bad, float("nan"))
+    if db is not None:
+        db.masked_fill_(any_bad, float("nan"))
+
+
 _warned_uniform = False
 
 
@@ -189,6 +210,8 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
 
     n, _ = e.shape
     v = c.shape[0]
+    if n == 0:  # every token was ignored
+        return torch.zeros_like(e), torch.zeros_like(c), torch.zeros_like(bias) if bias is not None else None
     filter_e, filter_c = cfg.filter_e, cfg.filter_c
     uniform_in_kernel = u
     if u is not None and (filter_e or filter_c):
@@ -205,16 +228,37 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
     acc = cfg.traits.accumulate
     kcfg = cfg.kernel
     thr = filter_threshold(a, b, lse, zt, cfg.filter_eps) if (filter_e or filter_c) else None
+    # Centre dE on the mean classifier row when dE is filtered (see kernels/backward.py); the
+    # exact mean part, Mu * sum_v dz = Mu * (A - B), is added back here. Softcap scales each dz by
+    # its own 1 - tanh^2, so sum_v dx is not known there and the centring is left out.
+    mu = c.sum(dim=0, dtype=torch.float32) / v if filter_e and cfg.softcap is None else None
     common = dict(softcap=cfg.softcap, filter_e=filter_e, filter_c=filter_c, config=kcfg)
 
     if acc == "dtype":
-        de = torch.zeros_like(e)
+        # dC accumulates straight into the gradient dtype (the paper's CCE). dE goes through an fp32
+        # buffer of at most bwd_de_chunk_bytes, one launch per token chunk: a row of dE gathers a term
+        # from every kept tile along the vocabulary, and bf16 atomics would round at each of them.
+        de = torch.empty_like(e)
         dc = torch.zeros_like(c)
         db = torch.zeros(v, device=c.device, dtype=torch.float32) if bias is not None else None
-        kernels.cce_backward(
-            e, c, bias, targets, lse, a, b, uniform_in_kernel, thr, perm, de, dc, db, None,
-            v_lo=0, v_hi=v, dc_by_position=False, **common,
-        )
+        rows = kcfg.bwd_de_chunk_bytes // (4 * max(e.shape[1], 1)) // kcfg.bwd_block_n * kcfg.bwd_block_n
+        rows = max(kcfg.bwd_block_n, rows)
+        de_buf = torch.empty((min(rows, n), e.shape[1]), device=e.device, dtype=torch.float32)
+        for lo in range(0, n, rows):
+            hi = min(n, lo + rows)
+            part = de_buf[: hi - lo]
+            part.zero_()
+            sl = slice(lo, hi)
+            kernels.cce_backward(
+                e[sl], c, bias, targets[sl], lse[sl], a[sl], b[sl],
+                uniform_in_kernel[sl] if uniform_in_kernel is not None else None,
+                thr[sl] if thr is not None else None, perm, mu, part, dc, db, None,
+                v_lo=0, v_hi=v, dc_by_position=False, **common,
+            )
+            if mu is not None:
+                part.addr_(a[sl] - b[sl], mu)
+            de[sl] = part
+        del de_buf
         if u is not None and uniform_in_kernel is None:
             _uniform_outside(e, c, u, de, dc, db)
         return de, dc, db.to(bias.dtype) if db is not None else None
@@ -235,22 +279,26 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
         part = dc_buf[: hi - lo]
         part.zero_()
         kernels.cce_backward(
-            e, c, bias, targets, lse, a, b, uniform_in_kernel, thr, perm, de_buf, part, db_buf, scales,
+            e, c, bias, targets, lse, a, b, uniform_in_kernel, thr, perm, mu, de_buf, part, db_buf, scales,
             v_lo=lo, v_hi=hi, dc_by_position=True, **common,
         )
-        val = part.double() / scales[1].double() if fixed else part
+        val = part.float() * (1.0 / scales[1]) if fixed else part
         if perm is None:
             dc[lo:hi] = val.to(c.dtype)
         else:
             dc[perm[lo:hi]] = val.to(c.dtype)
     del dc_buf
     if fixed:
-        de = (de_buf.double() / scales[0].double()).float()
-        db = (db_buf.double() / scales[2].double()).float() if db_buf is not None else None
+        de = de_buf.float() * (1.0 / scales[0])
+        db = db_buf.float() * (1.0 / scales[2]) if db_buf is not None else None
     else:
         de, db = de_buf, db_buf
+    if mu is not None:
+        de.addr_(a - b, mu)
     if u is not None and uniform_in_kernel is None:
         _uniform_outside(e, c, u, de, dc, db)
+    if fixed:
+        _propagate_nan(lse, de, dc, db)
     return de.to(e.dtype), dc, db.to(bias.dtype) if db is not None else None
 
 

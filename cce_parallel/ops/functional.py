@@ -197,8 +197,10 @@ def linear_cross_entropy(
         # Appendix B of the paper: ignored tokens never reach the kernels.
         idx = torch.nonzero(keep).squeeze(1)
         e_k, t_k = e2.index_select(0, idx), t2.index_select(0, idx)
+    # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
-    loss_k, lse_k = LinearCrossEntropyFunction.apply(e_k.contiguous(), c_k, bias, t_k, cfg)
+    bias_k = bias.contiguous() if bias is not None else None
+    loss_k, lse_k = LinearCrossEntropyFunction.apply(e_k.contiguous(), c_k, bias_k, t_k, cfg)
 
     if idx is None:
         loss, lse = loss_k, lse_k
