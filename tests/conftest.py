@@ -1,0 +1,59 @@
+"""Shared pytest setup: Triton interpreter switch, seeding, marks and device helpers.
+
+On a CPU machine the Triton kernels run under the Triton interpreter, which reads
+``TRITON_INTERPRET`` when ``triton`` is first imported, so this file sets it before
+anything imports torch or triton. On the GPU machine run the suite with
+``CCE_TEST_GPU=1`` so that the kernels are compiled for real.
+
+Nothing here queries CUDA at import time, so collection works on a CPU-only machine.
+"""
+
+import os
+
+if os.environ.get("CCE_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from tests.helpers import gpu_run
+
+_MARKS = {
+    "gpu": "needs a CUDA GPU (skipped without one)",
+    "distributed": "spawns several processes",
+    "slow": "long-running",
+}
+
+
+def pytest_configure(config):
+    for name, doc in _MARKS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def pytest_collection_modifyitems(config, items):
+    # torch.cuda.is_available() does not create a CUDA context; it runs once, after collection.
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_items and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Device for the small fp32 kernel tests: the CPU (interpreter), or CUDA with CCE_TEST_GPU=1."""
+    return torch.device("cuda") if gpu_run() else torch.device("cpu")
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    """The CUDA device; skips the test where there is none."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda")

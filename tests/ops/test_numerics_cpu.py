@@ -1,0 +1,356 @@
+"""fp32 numerics of every impl against the float64 oracle, at small odd shapes.
+
+On a CPU machine the Triton impls run under the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), which is slow: each Triton impl gets a handful of option combinations that
+together cover every option, while impl "torch" gets the full product. With CCE_TEST_GPU=1 on a
+CUDA machine the same tests run on the GPU with compiled kernels (about 4 minutes on an H100,
+nearly all of it Triton compilation; the CPU run takes about 1 minute on 2 cores).
+
+Tolerances are relative Frobenius errors. "torch" and "exact" must be as tight as fp32 allows;
+the filtering impls skip blocks whose probabilities are all below filter_eps ("auto" is 2**-28
+in fp32), which costs at most ~V * 2**-28 of the probability mass, so 1e-4 is ample.
+"""
+
+import dataclasses
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import cce_parallel
+from cce_parallel import IMPLS, LinearCrossEntropy, linear_cross_entropy
+from tests.helpers import (
+    assert_errors_below,
+    check_against_oracle,
+    errors,
+    peaked_inputs,
+    random_inputs,
+    run,
+    upstream,
+)
+from tests.oracle import oracle, plain_torch, rel_err
+
+V, D, N = 517, 48, 37
+TRITON_IMPLS = tuple(i for i in IMPLS if i != "torch")
+FILTERED_IMPLS = ("cce", "cce_kahan", "cce_kahan_full_c", "cce_kahan_full_e")
+TIGHT = {"loss": 1e-5, "lse": 1e-5, "de": 5e-5, "dc": 5e-5, "dbias": 5e-5}
+FILTERED = 1e-4
+
+
+def fp32_tol(impl):
+    return TIGHT if impl in ("torch", "exact") else FILTERED
+
+
+@pytest.fixture(autouse=True)
+def _triton_runs_for_real(request, device):
+    """Triton impls on CPU tensors silently fall back to "torch" without the interpreter."""
+    impl = request.node.callspec.params.get("impl") if hasattr(request.node, "callspec") else None
+    if impl in TRITON_IMPLS and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton impls on CPU need TRITON_INTERPRET=1 (unset CCE_TEST_GPU)")
+
+
+@dataclasses.dataclass
+class Case:
+    """Inputs (random_inputs arguments) plus linear_cross_entropy options."""
+
+    name: str
+    lead: tuple = (N,)
+    bias: bool = False
+    logit_std: float = 2.0
+    ignore_frac: float = 0.0
+    strided: bool = False
+    options: dict = dataclasses.field(default_factory=dict)
+
+    def inputs(self, device, dtype=torch.float32):
+        inputs = random_inputs(
+            self.lead,
+            V,
+            D,
+            dtype=dtype,
+            device=device,
+            logit_std=self.logit_std,
+            bias=self.bias,
+            ignore_frac=self.ignore_frac,
+            ignore_index=self.options.get("ignore_index", -100),
+        )
+        return strided_views(inputs) if self.strided else inputs
+
+
+def strided_views(inputs):
+    """Same values, non-contiguous layouts: e and targets stored [s, b] (as in Megatron) and seen
+    as [b, s]; c rows padded (row stride D + 3); bias every other element of a buffer."""
+
+    def transposed(x):
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+    c = inputs["c"]
+    padded = torch.cat([c, torch.zeros_like(c[:, :3])], dim=1)[:, : c.shape[1]]
+    out = {"e": transposed(inputs["e"]), "c": padded, "targets": transposed(inputs["targets"]), "bias": None}
+    if inputs["bias"] is not None:
+        out["bias"] = torch.stack([inputs["bias"], torch.zeros_like(inputs["bias"])], dim=1)[:, 0]
+    assert not any(x.is_contiguous() for x in out.values() if x is not None)
+    return out
+
+
+# Together these cover every option for each Triton impl; softcap cases scale the logits (std 20)
+# so that tanh actually bends them.
+TRITON_CASES = [
+    Case("mean", options={"reduction": "mean"}),
+    Case("bias-softcap-none", bias=True, logit_std=20.0, options={"softcap": 20.0, "reduction": "none"}),
+    Case(
+        "smoothing-zloss-ignored-sum",
+        ignore_frac=0.3,
+        options={"label_smoothing": 0.1, "z_loss": 1e-2, "reduction": "sum"},
+    ),
+    Case(
+        "lse-3d-ignore-in-vocab",
+        lead=(2, 19),
+        ignore_frac=0.25,
+        options={"ignore_index": 3, "z_loss": 1e-3, "reduction": "none", "return_lse": True},
+    ),
+    Case(
+        "everything-3d",
+        lead=(2, 19),
+        bias=True,
+        logit_std=20.0,
+        ignore_frac=0.2,
+        options={
+            "ignore_index": -1,
+            "softcap": 20.0,
+            "label_smoothing": 0.1,
+            "z_loss": 1e-3,
+            "reduction": "mean",
+            "return_lse": True,
+        },
+    ),
+    Case("many-tokens", lead=(301,), ignore_frac=0.1, options={"z_loss": 1e-3, "reduction": "mean"}),
+    Case(
+        "strided-views",
+        lead=(2, 19),
+        bias=True,
+        ignore_frac=0.2,
+        strided=True,
+        options={"label_smoothing": 0.1, "reduction": "none"},
+    ),
+    Case("all-ignored-sum", ignore_frac=1.0, options={"reduction": "sum", "return_lse": True}),
+    Case("all-ignored-mean", ignore_frac=1.0, options={"reduction": "mean"}),
+]
+CASES = {case.name: case for case in TRITON_CASES}
+
+
+def check_case(case: Case, impl: str, device, tol=None):
+    inputs = case.inputs(device)
+    options = dict(case.options, impl=impl)
+    grad_loss, grad_lse = upstream(
+        inputs["targets"], options.get("reduction", "mean"), options.get("return_lse")
+    )
+    return check_against_oracle(
+        linear_cross_entropy,
+        inputs,
+        options,
+        fp32_tol(impl) if tol is None else tol,
+        grad_loss=grad_loss,
+        grad_lse=grad_lse,
+        label=f"{impl}/{case.name}",
+    )
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_oracle(impl, case, device):
+    check_case(case, impl, device)
+
+
+_TORCH_GRID = list(
+    itertools.product(
+        [False, True],  # bias
+        [None, 20.0],  # softcap
+        [0.0, 0.1],  # label_smoothing
+        [0.0, 5e-3],  # z_loss
+        [0.0, 0.3],  # fraction ignored
+        [False, True],  # return_lse (with e shaped [2, 19, D])
+        ["none", "sum", "mean"],
+    )
+)
+
+
+@pytest.mark.parametrize(
+    "bias, softcap, smoothing, z_loss, ignore_frac, return_lse, reduction",
+    _TORCH_GRID,
+    ids=lambda v: str(v),
+)
+def test_torch_impl_full_grid(bias, softcap, smoothing, z_loss, ignore_frac, return_lse, reduction):
+    case = Case(
+        "grid",
+        lead=(2, 19) if return_lse else (N,),
+        bias=bias,
+        logit_std=20.0 if softcap else 2.0,
+        ignore_frac=ignore_frac,
+        options={
+            "softcap": softcap,
+            "label_smoothing": smoothing,
+            "z_loss": z_loss,
+            "reduction": reduction,
+            "return_lse": return_lse,
+        },
+    )
+    check_case(case, "torch", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_all_ignored(reduction, device):
+    """Every token ignored: loss 0 (NaN for "mean", like F.cross_entropy), zero gradients."""
+    inputs = Case("x", ignore_frac=1.0).inputs(device)
+    out = run(linear_cross_entropy, inputs, {"reduction": reduction, "impl": "torch"})
+    if reduction == "mean":
+        assert torch.isnan(out.loss)
+    else:
+        assert not out.loss.any()
+    for grad in (out.de, out.dc):
+        assert not grad.any(), "gradients must be zero when every token is ignored"
+
+
+@pytest.mark.parametrize("impl", ["torch", "cce"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_upstream_gradient_scales_grads(impl, reduction, device):
+    inputs = Case("x", bias=True, ignore_frac=0.2).inputs(device)
+    options = {"reduction": reduction, "impl": impl, "label_smoothing": 0.1}
+    one = run(linear_cross_entropy, inputs, options)
+    scale = torch.tensor(-3.25, device=device)
+    scaled = run(linear_cross_entropy, inputs, options, grad_loss=scale)
+    for name in ("de", "dc", "dbias"):
+        err = rel_err(getattr(scaled, name), getattr(one, name).double() * -3.25)
+        assert err <= 1e-6, f"{name}: upstream gradient -3.25 gives rel err {err:.2e}"
+
+
+PEAKED = {"n_head": 16, "n_mid": 128, "n_rare": 3}
+
+
+@pytest.mark.parametrize(
+    "impl, filter_eps, tol",
+    [(impl, "auto", fp32_tol(impl)) for impl in IMPLS] + [(impl, 2.0**-12, 1e-3) for impl in FILTERED_IMPLS],
+)
+def test_peaked_inputs_filtering(impl, filter_eps, tol, device):
+    """Trained-model-like logits, so that filtering skips whole vocabulary blocks.
+
+    Tail probabilities are below 2**-28 and the middle ones below 2**-12, so with "auto" the tail
+    blocks go and with 2**-12 the middle ones too; the few tokens whose target lies in the tail
+    keep their target's block. The error stays relative to the kept mass.
+    """
+    inputs = peaked_inputs((64,), V, D, device=device, **PEAKED)
+    options = {"impl": impl, "filter_eps": filter_eps, "reduction": "none", "return_lse": True}
+    grad_loss, grad_lse = upstream(inputs["targets"], "none", True)
+    check_against_oracle(
+        linear_cross_entropy,
+        inputs,
+        options,
+        tol,
+        grad_loss=grad_loss,
+        grad_lse=grad_lse,
+        label=f"{impl}/peaked/filter_eps={filter_eps}",
+    )
+
+
+@pytest.mark.parametrize("impl", FILTERED_IMPLS)
+def test_no_filtering_matches_oracle_tightly(impl, device):
+    """filter_eps=None turns filtering off: as tight as "exact" on peaked inputs."""
+    inputs = peaked_inputs((64,), V, D, device=device, **PEAKED)
+    options = {"impl": impl, "filter_eps": None, "reduction": "mean"}
+    check_against_oracle(linear_cross_entropy, inputs, options, TIGHT, label=f"{impl}/peaked/no-filter")
+
+
+def test_exact_is_deterministic(device):
+    case = CASES["everything-3d"]
+    inputs = case.inputs(device)
+    options = dict(case.options, impl="exact")
+    grad_loss, grad_lse = upstream(inputs["targets"], options["reduction"], True)
+    first = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
+    second = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
+    for name, a, b in zip(first._fields, first, second):
+        assert torch.equal(a, b), f"impl 'exact' is not bitwise reproducible in {name}"
+
+
+@pytest.mark.parametrize("impl", ["torch", "cce"])
+def test_module_matches_function(impl, device):
+    case = CASES["everything-3d"]
+    inputs = case.inputs(device)
+    options = dict(case.options, impl=impl)
+    module = LinearCrossEntropy(**options)
+    assert isinstance(module, torch.nn.Module)
+    grad_loss, grad_lse = upstream(inputs["targets"], options["reduction"], True)
+    from_module = run(
+        lambda e, c, t, bias=None, **_: module(e, c, t, bias=bias), inputs, options, grad_loss, grad_lse
+    )
+    from_function = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
+    assert_errors_below(errors(from_module, from_function), 1e-6, f"{impl}: module vs function")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_in_e_propagates(impl, device):
+    """A NaN hidden state must give a NaN loss and NaN gradients, never be filtered away."""
+    inputs = Case("x").inputs(device)
+    inputs["e"][5, 7] = float("nan")
+    out = run(linear_cross_entropy, inputs, {"impl": impl, "reduction": "none"}, torch.ones(N, device=device))
+    assert torch.isnan(out.loss[5]), "NaN in e[5] did not reach loss[5]"
+    others = torch.arange(N, device=device) != 5
+    assert torch.isfinite(out.loss[others]).all(), "NaN in e[5] leaked into other tokens' losses"
+    assert torch.isnan(out.de[5]).any(), "NaN in e[5] did not reach de[5]"
+    assert torch.isfinite(out.de[others]).all(), "NaN in e[5] leaked into other rows of de"
+    assert torch.isnan(out.dc).any(), "NaN in e[5] did not reach dc"
+
+
+def test_oracle_agrees_with_plain_torch_in_fp64():
+    """The two references are written independently; in float64 they must agree."""
+    for case in TRITON_CASES:
+        inputs = case.inputs("cpu", dtype=torch.float64)
+        grad_loss, grad_lse = upstream(
+            inputs["targets"], case.options["reduction"], case.options.get("return_lse")
+        )
+        ref = oracle(**inputs, grad_loss=grad_loss, grad_lse=grad_lse, **case.options)
+        chunked = oracle(**inputs, grad_loss=grad_loss, grad_lse=grad_lse, chunk_size=5, **case.options)
+        plain = plain_torch(**inputs, grad_loss=grad_loss, grad_lse=grad_lse, **case.options)
+        assert_errors_below(errors(plain, ref), 1e-12, f"plain fp64 vs oracle, {case.name}")
+        assert_errors_below(errors(chunked, ref), 1e-12, f"chunked vs dense oracle, {case.name}")
+
+
+def test_cpu_without_interpreter_warns_and_uses_torch():
+    """Without TRITON_INTERPRET, a Triton impl on CPU tensors warns and gives the "torch" result."""
+    script = textwrap.dedent(
+        """
+        import warnings
+        import torch
+        from cce_parallel import linear_cross_entropy
+        torch.manual_seed(0)
+        e, c = torch.randn(37, 48), torch.randn(517, 48)
+        t = torch.randint(0, 517, (37,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = linear_cross_entropy(e, c, t, impl="cce")
+        assert caught, "no warning"
+        ref = linear_cross_entropy(e, c, t, impl="torch")
+        assert torch.allclose(loss, ref, rtol=1e-6, atol=0), (loss, ref)
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_public_api():
+    assert set(cce_parallel.IMPLS) == {
+        "cce",
+        "cce_kahan",
+        "cce_kahan_full_c",
+        "cce_kahan_full_e",
+        "exact",
+        "torch",
+    }
