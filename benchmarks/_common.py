@@ -1,0 +1,544 @@
+"""Helpers shared by the benchmark scripts: shapes, inputs, timing, memory, references, metadata.
+
+Nothing here imports cce_parallel or any peer library, and nothing queries CUDA at import time,
+so the scripts import (and ``--help`` works) on a machine without a GPU.
+
+Conventions used by every script:
+- Times are milliseconds, the median over repeats, measured with CUDA events on a GPU
+  (``time.perf_counter`` around a synchronous call on the CPU).
+- Memory is the peak of ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` taken just
+  before the call: what the call itself adds on top of its inputs (and anything else already alive).
+- FLOPs: 2·N·V·D for the forward (the logits matmul), 6·N·V·D for forward + backward
+  (logits, ∇E, ∇C; a method that recomputes the logits in the backward is not credited for it).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+MiB = float(1 << 20)
+
+# Token count used for the model shapes unless --tokens says otherwise.
+DEFAULT_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One classifier head: N tokens, vocabulary V, hidden size D."""
+
+    name: str
+    N: int
+    V: int
+    D: int
+
+    def with_tokens(self, n: int) -> Shape:
+        return Shape(self.name, n, self.V, self.D)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (N={self.N}, V={self.V}, D={self.D})"
+
+
+# (V, D) of the output heads of real models.
+MODEL_SHAPES: dict[str, tuple[int, int]] = {
+    "gemma2-2b": (256000, 2304),
+    "gemma2-9b": (256000, 3584),
+    "llama3-8b": (128256, 4096),
+    "mistral-nemo": (131072, 5120),
+    "qwen2.5-7b": (152064, 3584),
+    "phi3.5-mini": (32064, 3072),
+}
+
+# Tiny odd shapes for the CPU smoke mode (V not a multiple of any block size).
+SMOKE_SHAPES: dict[str, tuple[int, int]] = {
+    "tiny-a": (517, 48),
+    "tiny-b": (1000, 32),
+}
+
+_CUSTOM = re.compile(r"^(\d+)x(\d+)x(\d+)$")
+
+
+def parse_shape(item: str, tokens: int, table: dict[str, tuple[int, int]]) -> Shape:
+    """A name from ``table`` (with ``tokens`` tokens) or a custom ``NxVxD``."""
+    m = _CUSTOM.match(item)
+    if m:
+        n, v, d = (int(g) for g in m.groups())
+        return Shape(item, n, v, d)
+    if item not in table:
+        raise SystemExit(f"unknown shape {item!r}; known: {', '.join(table)} or NxVxD")
+    v, d = table[item]
+    return Shape(item, tokens, v, d)
+
+
+def csv_list(text: str | None) -> list[str]:
+    if text is None:
+        return []
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+# Init scale of the classifier weight: the usual std 0.02 of GPT-style inits.
+C_INIT_STD = 0.02
+# Softmax threshold whose mass we report (the bf16 gradient-filter epsilon of CCE).
+SOFTMAX_EPS = 2.0**-12
+# Peaked regime: Zipf exponent of the targets, number of plausible alternatives per token,
+# mean and std of the target's log-odds over the rest (p_target ≈ sigmoid(delta)).
+ZIPF_S = 1.1
+PEAKED_ALTERNATIVES = 4
+PEAKED_DELTA_MEAN = 1.0
+PEAKED_DELTA_STD = 2.0
+
+REGIMES = {
+    "random": (
+        "untrained-model-like: e ~ N(0, 1) per element (post-RMSNorm hidden states), "
+        f"c ~ N(0, {C_INIT_STD}^2) (GPT-style init), targets uniform on [0, V); "
+        "logits have std ≈ 0.02·sqrt(D) ≈ 1, so the softmax is nearly flat"
+    ),
+    "peaked": (
+        f"trained-model-like: c ~ N(0, {C_INIT_STD}^2); targets Zipf(s={ZIPF_S}) with token id = "
+        "frequency rank - 1 (BPE-like: frequent tokens have small ids; --shuffle-vocab permutes ids); "
+        f"e_n = sum_j L_j c_j/|c_j|^2 + w_n over the target and {PEAKED_ALTERNATIVES} Zipf alternatives, "
+        f"L_target = ln V + 0.5 + delta, delta ~ N({PEAKED_DELTA_MEAN}, {PEAKED_DELTA_STD}^2), "
+        "L_alt = L_target - 3 - 4·U(0,1), w_n chosen so that the background logits are ~N(0, 1); "
+        "so p_target ≈ sigmoid(delta) and only a handful of entries per row reach 2^-12"
+    ),
+    "randn": (
+        "harsh: e, c ~ N(0, 1) unscaled, targets uniform; logits have std sqrt(D), so each row's mass "
+        "sits on one arbitrary argmax unrelated to the target"
+    ),
+}
+
+
+def _zipf_ids(n: int, V: int, gen: torch.Generator, device, perm: torch.Tensor | None) -> torch.Tensor:
+    ranks = torch.arange(1, V + 1, device=device, dtype=torch.float64)
+    probs = ranks.pow(-ZIPF_S)
+    probs = (probs / probs.sum()).float()
+    ids = torch.multinomial(probs, n, replacement=True, generator=gen)
+    return perm[ids] if perm is not None else ids
+
+
+def make_inputs(
+    shape: Shape,
+    regime: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    seed: int = 0,
+    shuffle_vocab: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (e [N, D], c [V, D], targets [N] int64) for one regime, deterministically from ``seed``.
+
+    e and c are leaves in ``dtype`` without requires_grad; callers set it.
+    """
+    N, V, D = shape.N, shape.V, shape.D
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    if regime == "randn":
+        c = torch.randn(V, D, device=device, generator=gen).to(dtype)
+        e = torch.randn(N, D, device=device, generator=gen).to(dtype)
+        t = torch.randint(0, V, (N,), device=device, generator=gen)
+        return e, c, t
+    c = (torch.randn(V, D, device=device, generator=gen) * C_INIT_STD).to(dtype)
+    if regime == "random":
+        e = torch.randn(N, D, device=device, generator=gen).to(dtype)
+        t = torch.randint(0, V, (N,), device=device, generator=gen)
+        return e, c, t
+    if regime != "peaked":
+        raise ValueError(f"unknown regime {regime!r}; known: {', '.join(REGIMES)}")
+    perm = torch.randperm(V, device=device, generator=gen) if shuffle_vocab else None
+    t = _zipf_ids(N, V, gen, device, perm)
+    K = PEAKED_ALTERNATIVES
+    alt = _zipf_ids(N * K, V, gen, device, perm).view(N, K)
+    delta = torch.randn(N, device=device, generator=gen) * PEAKED_DELTA_STD + PEAKED_DELTA_MEAN
+    # Background logits ~N(0,1) add about V·e^{1/2} to the partition function: a target logit of
+    # ln V + 1/2 + delta then gives p_target ≈ sigmoid(delta).
+    l_t = math.log(V) + 0.5 + delta
+    l_alt = l_t[:, None] - 3.0 - 4.0 * torch.rand(N, K, device=device, generator=gen)
+    ids = torch.cat([t[:, None], alt], dim=1)  # [N, K+1]
+    logit = torch.cat([l_t[:, None], l_alt], dim=1)  # [N, K+1]
+    e = torch.empty(N, D, device=device, dtype=dtype)
+    step = 4096
+    for s in range(0, N, step):
+        rows = c[ids[s : s + step]].float()  # [n, K+1, D], built from the rounded c the methods see
+        norm2 = rows.pow(2).sum(-1)
+        sig = torch.einsum("nk,nkd->nd", logit[s : s + step] / norm2, rows)
+        # w·c_v ~ N(0, |c_v|^2 / (std^2 D)) ≈ N(0, 1) for c_v ~ N(0, std^2 I).
+        w = torch.randn(sig.shape, device=device, generator=gen) / (C_INIT_STD * math.sqrt(D))
+        e[s : s + step] = (sig + w).to(dtype)
+    return e, c, t
+
+
+@torch.no_grad()
+def softmax_stats(
+    e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, *, rows: int = 1024, eps: float = SOFTMAX_EPS
+) -> dict:
+    """Softmax statistics in fp32 on an evenly spaced subsample of rows (the inputs upcast)."""
+    N, V = e.shape[0], c.shape[0]
+    idx = torch.linspace(0, N - 1, steps=min(rows, N), device=e.device).round().long().unique()
+    c32 = c.float()
+    count = 0
+    p_t, p_max, loss = [], [], []
+    chunk = max(1, min(256, (1 << 28) // max(V, 1)))
+    for s in range(0, idx.numel(), chunk):
+        r = idx[s : s + chunk]
+        x = e[r].float() @ c32.T
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        p = torch.exp(x - lse)
+        count += int((p >= eps).sum())
+        tt = t[r]
+        p_t.append(p.gather(1, tt[:, None]).squeeze(1))
+        p_max.append(p.max(dim=1).values)
+        loss.append(lse.squeeze(1) - x.gather(1, tt[:, None]).squeeze(1))
+        del x, p, lse
+    del c32
+    p_t = torch.cat(p_t).double()
+    p_max = torch.cat(p_max).double()
+    loss = torch.cat(loss).double()
+    n = idx.numel()
+    return {
+        "rows_sampled": n,
+        "eps": eps,
+        "frac_ge_eps": count / (n * V),
+        "entries_ge_eps_per_row": count / n,
+        "p_target_median": float(p_t.median()),
+        "p_target_mean": float(p_t.mean()),
+        "p_max_median": float(p_max.median()),
+        "loss_mean": float(loss.mean()),
+    }
+
+
+@torch.no_grad()
+def reference_loss_grads(
+    e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, *, chunk_bytes: int = 1 << 30
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy loss and its fp32 gradients (∇E [N, D], ∇C [V, D]) from the inputs upcast.
+
+    Chunked over tokens so that only a [chunk, V] fp32 block of logits is alive. TF32 is switched
+    off for the duration, so the matmuls are true fp32.
+    """
+    N, V = e.shape[0], c.shape[0]
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        c32 = c.float()
+        g_e = torch.empty(e.shape, dtype=torch.float32, device=e.device)
+        g_c = torch.zeros(c.shape, dtype=torch.float32, device=e.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=e.device)
+        chunk = max(1, min(N, chunk_bytes // (4 * V)))
+        for s in range(0, N, chunk):
+            e32 = e[s : s + chunk].float()
+            tt = t[s : s + chunk]
+            x = e32 @ c32.T
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            loss_sum += (lse.squeeze(1) - x.gather(1, tt[:, None]).squeeze(1)).double().sum()
+            x.sub_(lse).exp_()  # x is now the softmax
+            x[torch.arange(tt.numel(), device=e.device), tt] -= 1.0
+            x.mul_(1.0 / N)
+            torch.mm(x, c32, out=g_e[s : s + chunk])
+            g_c.addmm_(x.T, e32)
+            del x, e32, lse
+        del c32
+        return float(loss_sum) / N, g_e, g_c
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@torch.no_grad()
+def rel_err(x: torch.Tensor, ref: torch.Tensor, *, rows: int = 8192) -> float:
+    """‖x − ref‖_F / ‖ref‖_F, in fp32 (fp64 accumulation), chunked over rows."""
+    num = 0.0
+    den = 0.0
+    for s in range(0, ref.shape[0], rows):
+        r = ref[s : s + rows]
+        d = x[s : s + rows].float() - r
+        num += float(d.double().pow(2).sum())
+        den += float(r.double().pow(2).sum())
+    return math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and memory
+# ----------------------------------------------------------------------------------------------
+
+
+def is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def sync(device) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    device,
+    warmup: int = 3,
+    repeats: int = 10,
+    setup: Callable[[], None] | None = None,
+) -> list[float]:
+    """Per-repeat times of ``fn()`` in ms. ``setup()`` runs before each call, outside the timed region."""
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    sync(device)
+    times: list[float] = []
+    if is_cuda(device):
+        events = []
+        for _ in range(repeats):
+            if setup is not None:
+                setup()
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            events.append((a, b))
+        torch.cuda.synchronize(device)
+        times = [a.elapsed_time(b) for a, b in events]
+    else:
+        for _ in range(repeats):
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def summarize_times(times: list[float]) -> dict:
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "max_ms": max(times),
+        "n": len(times),
+    }
+
+
+def peak_bytes(fn: Callable[[], object], *, device) -> int | None:
+    """Peak allocated bytes above what was allocated before ``fn()``; None off CUDA.
+
+    ``fn`` should return what must stay alive until the peak is read (e.g. the loss); it is
+    dropped afterwards.
+    """
+    if not is_cuda(device):
+        fn()
+        return None
+    sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    keep = fn()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del keep
+    return int(peak)
+
+
+def free_memory(device=None) -> None:
+    """Collect garbage and return cached blocks; never raises (the context may be broken)."""
+    gc.collect()
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001, S110 - best effort; the caller reports the real error
+        pass
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+_FATAL = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "misaligned address",
+    "illegal instruction",
+    "uncorrectable ecc",
+    "cuda error: an illegal",
+)
+
+
+def is_fatal_cuda_error(exc: BaseException) -> bool:
+    """Errors after which the CUDA context is unusable, so the run must stop."""
+    msg = str(exc).lower()
+    return any(k in msg for k in _FATAL)
+
+
+def short_error(exc: BaseException, limit: int = 300) -> str:
+    msg = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+@torch.no_grad()
+def matmul_ms(shape: Shape, *, device, dtype=torch.bfloat16, warmup=3, repeats=10, seed=0) -> dict:
+    """cuBLAS (torch.mm) time of the logits product [N, D] @ [D, V] into a preallocated output."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    a = torch.randn(shape.N, shape.D, device=device, generator=gen).to(dtype)
+    b = (torch.randn(shape.V, shape.D, device=device, generator=gen) * C_INIT_STD).to(dtype)
+    out = torch.empty(shape.N, shape.V, device=device, dtype=dtype)
+    times = time_ms(lambda: torch.mm(a, b.T, out=out), device=device, warmup=warmup, repeats=repeats)
+    med = statistics.median(times)
+    flops = 2.0 * shape.N * shape.V * shape.D
+    return {"ms": med, "tflops": flops / (med * 1e-3) / 1e12}
+
+
+# ----------------------------------------------------------------------------------------------
+# Metadata and output
+# ----------------------------------------------------------------------------------------------
+
+
+def device_name(device) -> str:
+    if is_cuda(device):
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200', else a slug of the whole name."""
+    low = name.lower()
+    if low.startswith("cpu"):
+        return "cpu"
+    for tok in re.split(r"[^a-z0-9]+", low.replace("nvidia", " ")):
+        if re.fullmatch(r"[a-z]+\d+[a-z]*", tok):
+            return tok
+    return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "unknown"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        sha = out.stdout.strip()
+        if out.returncode != 0 or not sha:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        return sha + ("-dirty" if dirty.stdout.strip() else "")
+    except Exception:  # noqa: BLE001 - no git, not a repo: say "unknown"
+        return "unknown"
+
+
+def pkg_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def run_metadata(device, commit: str | None = None) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = None
+    name = device_name(device)
+    return {
+        "device": name,
+        "gpu": gpu_slug(name),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_commit": commit or git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "hostname": platform.node(),
+        "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ},
+    }
+
+
+def out_stem(out_dir: Path, meta: dict, tag: str | None) -> Path:
+    day = meta["date"][:10].replace("-", "")
+    stem = f"{meta['gpu']}_{day}" + (f"_{tag}" if tag else "")
+    return Path(out_dir) / stem
+
+
+def _clean(o):
+    """Strict JSON: non-finite floats become their name as a string ("nan", "inf")."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if isinstance(o, (torch.dtype, Path)):
+        return str(o)
+    return o
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+
+
+def as_float(x):
+    """Undo _clean for numbers read back from JSON."""
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return x
+
+
+def fmt_num(x, spec: str = ".1f", missing: str = "–") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return missing
+    return format(x, spec)
+
+
+def fmt_mib(b, missing: str = "–") -> str:
+    if b is None:
+        return missing
+    mib = b / MiB
+    if mib < 10:
+        return f"{mib:.1f}"
+    return f"{mib:,.0f}"
+
+
+def fmt_err(x, missing: str = "–") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return missing
+    return f"{x:.1e}"
