@@ -20,16 +20,16 @@ class KernelConfig:
 
     fwd_block_n: int = 128
     fwd_block_v: int = 128
-    fwd_block_d: int = 64
+    fwd_block_d: int = 128
     fwd_num_warps: int = 8
     fwd_num_stages: int = 3
     fwd_programs: int = 528
-    bwd_block_n: int = 64
+    bwd_block_n: int = 128
     bwd_block_v: int = 128
     bwd_block_d: int = 64
     bwd_group_n: int = 8
     bwd_num_warps: int = 8
-    bwd_num_stages: int = 3
+    bwd_num_stages: int = 4
     bwd_v_chunks: int = 16
     bwd_de_chunk_bytes: int = 8 << 20
     bwd_filter_by_max: int = 0

@@ -148,8 +148,9 @@ def test_exact_is_deterministic_bf16():
 
 @functools.lru_cache(maxsize=1)
 def large_index_reference():
-    """N * V > 2**31: 9000 tokens x 256000 ids, so flat [N, V] offsets overflow int32."""
-    n, vocab, dim = 9000, 256000, 256
+    """N * V > 2**31: 80,000 tokens x 256,000 ids (the issue's case), so flat [N, V] offsets
+    overflow int32 nearly ten times over; D is small to keep it quick."""
+    n, vocab, dim = 80_000, 256_000, 128
     inputs = random_inputs((n,), vocab, dim, dtype=BF16, device="cuda")
     grad_loss, _ = upstream(inputs["targets"], "none", False)
     ref = oracle(**inputs, grad_loss=grad_loss, reduction="none", chunk_size=ORACLE_ELEMENTS // vocab)
