@@ -1,6 +1,7 @@
 """cce_parallel: Cut Cross-Entropy as a vocab-parallel loss layer for Megatron-style pretraining."""
 
-from cce_parallel.ops import IMPLS, REDUCTIONS, LinearCrossEntropy, linear_cross_entropy
+from cce_parallel.ops import IMPLS, REDUCTIONS
+from cce_parallel.parallel import LinearCrossEntropy, linear_cross_entropy
 
 __version__ = "0.1.0"
 

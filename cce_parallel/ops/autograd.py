@@ -8,9 +8,16 @@ so that, for upstream gradients g (of loss) and h (of lse),
 
     d/dz_v = A p_v - B [v == target] - U,   A = g (1 + 2 z_loss lse) + h,  B = g (1 - ls),  U = g ls / V.
 
-The forward computes per-row statistics (max, sum of exp, target logit, sum of logits) and combines
-them; the backward recomputes the logits blockwise. Inputs here are already validated, flattened
-to [N, D] and stripped of ignored tokens (ops/functional.py does that).
+The forward computes per-row statistics (max, sum of exp, target logit, sum of logits) over the
+local vocabulary and combines them (across tensor-parallel ranks through `Collectives`); the
+backward recomputes the logits blockwise. Inputs here are already validated and flattened to [N, D]
+(ops/functional.py does that); ignored tokens are dropped inside the Function, before any kernel.
+
+Under tensor parallelism each rank holds a shard of the vocabulary. Per token, the ranks combine
+their max with one all-reduce (MAX) and their rescaled sums, target logits and logit sums with one
+more (SUM). In the backward each rank's dE is a partial sum, reduced in fp32 (int64 for "exact"),
+and dC / dbias stay local. This module never imports torch.distributed: parallel/ passes in the
+collectives.
 """
 
 import warnings
@@ -83,19 +90,42 @@ class LossConfig:
 
 
 # ----------------------------------------------------------------------------------------------
+# collectives
+
+
+class Collectives:
+    """Collectives over the ranks that share one vocabulary. This default is a single process that
+    owns all of it; parallel/collectives.py supplies the process-group version.
+
+    `first` marks the one rank that adds the terms which must appear once in a sum over ranks.
+    """
+
+    first = True
+
+    def all_max_(self, t):
+        return t
+
+    def all_sum_(self, t):
+        return t
+
+    def gather_rows(self, x):
+        """Concatenate every rank's rows (sequence parallelism's all-gather along dim 0)."""
+        return x
+
+    def sum_scatter_rows(self, x):
+        """Sum over ranks, keep this rank's block of rows (the reduce-scatter along dim 0)."""
+        return x
+
+
+SINGLE = Collectives()
+
+
+# ----------------------------------------------------------------------------------------------
 # forward
 
 
-def combine_splits(mx, se, zt, zsum):
-    """Fold [S, N] per-split partials into per-row (max, sumexp, zt, zsum)."""
-    m = mx.max(dim=0).values
-    safe = torch.where(torch.isfinite(m), m, 0.0)
-    se = (se * torch.exp(mx - safe)).sum(dim=0)
-    return m, se, zt.sum(dim=0), zsum.sum(dim=0) if zsum is not None else None
-
-
 def local_stats(e, c, bias, targets, cfg: LossConfig):
-    """(max, sumexp, zt, zsum, perm) of each token over the rows of c."""
+    """(max, sumexp, zt, zsum, perm) of each token over the rows of c (this rank's shard)."""
     need_zsum = cfg.label_smoothing > 0
     if not cfg.use_triton:
         return (*reference.forward_stats(e, c, bias, targets, cfg.softcap, need_zsum=need_zsum), None)
@@ -106,7 +136,22 @@ def local_stats(e, c, bias, targets, cfg: LossConfig):
     )
     # Most probable vocabulary rows first, so the tiles that survive filtering are dense.
     perm = torch.argsort(colsum, descending=True) if colsum is not None else None
-    return (*combine_splits(mx, se, zt, zsum), perm)
+    return (*_combine(mx, se, zt, zsum, SINGLE, dim=0), perm)
+
+
+def _combine(mx, se, zt, zsum, comm, dim=None):
+    """Fold partial statistics: the kernel's [S, N] splits (dim=0), or ranks' [N] rows (comm).
+
+    Returns (max, sumexp relative to that max, zt, zsum). One MAX and one SUM all-reduce for ranks.
+    """
+    m = mx.max(dim=0).values if dim is not None else comm.all_max_(mx.clone())
+    safe = torch.where(torch.isfinite(m), m, 0.0)
+    scaled = se * torch.exp(mx - safe)
+    if dim is not None:
+        return safe, scaled.sum(dim=0), zt.sum(dim=0), zsum.sum(dim=0) if zsum is not None else None
+    packed = torch.stack([scaled, zt] + ([zsum] if zsum is not None else []))
+    comm.all_sum_(packed)
+    return safe, packed[0], packed[1], packed[2] if zsum is not None else None
 
 
 def token_loss(lse, zt, zsum, cfg: LossConfig):
@@ -145,33 +190,23 @@ def _max_abs(x):
     return torch.maximum(-lo.float(), hi.float())
 
 
-def _fixed_point_scales(e, c, a, b, u, vocab):
+def _fixed_point_scales(e, c, a, b, u, vocab, comm):
     """fp32 [3] scales for dE, dC, dbias such that no int64 partial sum can overflow.
 
     |dE[n, d]| <= max|C| * sum_v |dz[n, v]| <= max|C| * (|A| + |B| + V |U|)   (sum_v p = 1)
     |dC[v, d]| <= max|E| * sum_n (|A| + |B| + |U|)                          (p <= 1)
-    Every partial sum of tile contributions obeys the same bound. A non-finite bound (NaN or Inf in
-    the inputs) gives a NaN scale, which turns the whole gradient into NaN, as PyTorch would.
+    Every partial sum of tile contributions, and every rank's share, obeys the same bound. The
+    bounds are maxed over ranks, so all ranks use one scale and their int64 dE can be summed
+    exactly. A non-finite bound (NaN or Inf in the inputs) gives a NaN scale.
     """
     per_tok = a.abs() + b.abs()
     per_tok_e = per_tok + (u.abs() * vocab if u is not None else 0.0)
     per_tok_c = per_tok + (u.abs() if u is not None else 0.0)
-    max_c, max_e = _max_abs(c), _max_abs(e)
-    bounds = torch.stack(
-        [per_tok_e.amax() * max_c, per_tok_c.sum() * max_e, per_tok_c.sum()]
-    ).double()
+    bounds = torch.stack([per_tok_e.amax() * _max_abs(c), per_tok_c.sum() * _max_abs(e), per_tok_c.sum()])
+    comm.all_max_(bounds)
+    bounds = bounds.double()
     scales = _FIXED_POINT_RANGE / bounds.clamp_min(_MIN_BOUND)
     return torch.where(torch.isfinite(bounds), scales, float("nan")).float()
-
-
-def _uniform_outside(e, c, u, de, dc, db):
-    """Apply the label-smoothing term -U[n] to every logit gradient with three small products,
-    so that filtering (which only looks at p) can skip tiles without dropping it."""
-    csum = c.sum(dim=0, dtype=torch.float32)  # [D], no fp32 copy of c
-    de.addr_(u.to(de.dtype), csum.to(de.dtype), alpha=-1)
-    dc -= (e.t() @ u.to(e.dtype)).to(dc.dtype)[None, :]
-    if db is not None:
-        db -= u.sum()
 
 
 def filter_threshold(a, b, lse, zt, eps):
@@ -200,18 +235,46 @@ def _propagate_nan(lse, de, dc, db):
         db.masked_fill_(any_bad, float("nan"))
 
 
+class _DeFinisher:
+    """Turns fp32 partial dE rows (this rank's vocabulary only) into what the caller wants.
+
+    reduce=True sums them over ranks (in place, in fp32) and every rank adds the once-only mean
+    term; reduce=False leaves a partial sum (sequence parallelism reduce-scatters it later) and only
+    the first rank adds that term. The local label-smoothing part, -U * sum_{v in shard} C[v], is a
+    partial sum like the rest and is added before the reduction.
+    """
+
+    def __init__(self, comm, reduce, a, b, u_outside, csum_local, mu):
+        self.comm, self.reduce = comm, reduce
+        self.a, self.b, self.u, self.csum, self.mu = a, b, u_outside, csum_local, mu
+
+    def __call__(self, part, rows):
+        if self.u is not None:
+            part.addr_(self.u[rows], self.csum, alpha=-1)
+        if self.reduce:
+            self.comm.all_sum_(part)
+        if self.mu is not None and (self.reduce or self.comm.first):
+            part.addr_(self.a[rows] - self.b[rows], self.mu)
+        return part
+
+
 _warned_uniform = False
 
 
-def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig):
-    """dE, dC, dbias (input dtype) from the kernels, accumulated as the impl's traits say."""
+def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig, comm=SINGLE, reduce_de=True):
+    """(dE, dC, dbias) from the kernels, accumulated as the impl's traits say.
+
+    dE is the full gradient in the input dtype when reduce_de, else this rank's fp32 partial sum.
+    """
     global _warned_uniform
     from cce_parallel import kernels
 
     n, _ = e.shape
     v = c.shape[0]
+    de_dtype = e.dtype if reduce_de else torch.float32
     if n == 0:  # every token was ignored
-        return torch.zeros_like(e), torch.zeros_like(c), torch.zeros_like(bias) if bias is not None else None
+        db = torch.zeros_like(bias) if bias is not None else None
+        return torch.zeros(e.shape, device=e.device, dtype=de_dtype), torch.zeros_like(c), db
     filter_e, filter_c = cfg.filter_e, cfg.filter_c
     uniform_in_kernel = u
     if u is not None and (filter_e or filter_c):
@@ -225,81 +288,88 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
                 _warned_uniform = True
             filter_e = filter_c = False
             perm = None
+    u_outside = u if uniform_in_kernel is None else None
     acc = cfg.traits.accumulate
     kcfg = cfg.kernel
     thr = filter_threshold(a, b, lse, zt, cfg.filter_eps) if (filter_e or filter_c) else None
-    # Centre dE on the mean classifier row when dE is filtered (see kernels/backward.py); the
-    # exact mean part, Mu * sum_v dz = Mu * (A - B), is added back here. Softcap scales each dz by
-    # its own 1 - tanh^2, so sum_v dx is not known there and the centring is left out.
-    mu = c.sum(dim=0, dtype=torch.float32) / v if filter_e and cfg.softcap is None else None
+    csum = c.sum(dim=0, dtype=torch.float32) if (filter_e and cfg.softcap is None) or u_outside is not None else None
+    # Centre dE on the mean classifier row (over the full vocabulary) when dE is filtered (see
+    # kernels/backward.py); the exact mean part, Mu * sum_v dz = Mu * (A - B), is added back once.
+    # Softcap scales each dz by its own 1 - tanh^2, so sum_v dx is not known there: no centring.
+    mu = None
+    if filter_e and cfg.softcap is None:
+        mu = comm.all_sum_(csum.clone()) / cfg.vocab_size
+    finish = _DeFinisher(comm, reduce_de, a, b, u_outside, csum, mu)
     common = dict(softcap=cfg.softcap, filter_e=filter_e, filter_c=filter_c, config=kcfg)
+    db = torch.zeros(v, device=c.device, dtype=torch.int64 if acc == "fixed" else torch.float32) if bias is not None else None
 
     if acc == "dtype":
         # dC accumulates straight into the gradient dtype (the paper's CCE). dE goes through an fp32
-        # buffer of at most bwd_de_chunk_bytes, one launch per token chunk: a row of dE gathers a term
-        # from every kept tile along the vocabulary, and bf16 atomics would round at each of them.
-        de = torch.empty_like(e)
+        # buffer of at most bwd_de_chunk_bytes, one launch per token chunk: a row of dE gathers a
+        # term from every kept tile along the vocabulary, and bf16 atomics would round at each.
+        de = torch.empty(e.shape, device=e.device, dtype=de_dtype)
         dc = torch.zeros_like(c)
-        db = torch.zeros(v, device=c.device, dtype=torch.float32) if bias is not None else None
         rows = kcfg.bwd_de_chunk_bytes // (4 * max(e.shape[1], 1)) // kcfg.bwd_block_n * kcfg.bwd_block_n
         rows = max(kcfg.bwd_block_n, rows)
-        de_buf = torch.empty((min(rows, n), e.shape[1]), device=e.device, dtype=torch.float32)
+        de_buf = torch.empty((min(rows, n), e.shape[1]), device=e.device, dtype=torch.float32) if reduce_de else None
         for lo in range(0, n, rows):
-            hi = min(n, lo + rows)
-            part = de_buf[: hi - lo]
+            sl = slice(lo, min(n, lo + rows))
+            part = de_buf[: sl.stop - lo] if de_buf is not None else de[sl]
             part.zero_()
-            sl = slice(lo, hi)
             kernels.cce_backward(
                 e[sl], c, bias, targets[sl], lse[sl], a[sl], b[sl],
                 uniform_in_kernel[sl] if uniform_in_kernel is not None else None,
                 thr[sl] if thr is not None else None, perm, mu, part, dc, db, None,
                 v_lo=0, v_hi=v, dc_by_position=False, **common,
             )
-            if mu is not None:
-                part.addr_(a[sl] - b[sl], mu)
-            de[sl] = part
+            de[sl] = finish(part, sl)
         del de_buf
-        if u is not None and uniform_in_kernel is None:
-            _uniform_outside(e, c, u, de, dc, db)
-        return de, dc, db.to(bias.dtype) if db is not None else None
-
-    fixed = acc == "fixed"
-    buf_dtype = torch.int64 if fixed else torch.float32
-    scales = _fixed_point_scales(e, c, a, b, u, v) if fixed else None
-    de_buf = torch.zeros(e.shape, device=e.device, dtype=buf_dtype)
-    db_buf = torch.zeros(v, device=c.device, dtype=buf_dtype) if bias is not None else None
-    dc = torch.empty_like(c)
-    chunk = -(-v // kcfg.bwd_v_chunks)
-    chunk = -(-chunk // kcfg.bwd_block_v) * kcfg.bwd_block_v
-    dc_buf = None
-    for lo in range(0, v, chunk):
-        hi = min(v, lo + chunk)
-        if dc_buf is None:
-            dc_buf = torch.empty((min(chunk, v), c.shape[1]), device=c.device, dtype=buf_dtype)
-        part = dc_buf[: hi - lo]
-        part.zero_()
-        kernels.cce_backward(
-            e, c, bias, targets, lse, a, b, uniform_in_kernel, thr, perm, mu, de_buf, part, db_buf, scales,
-            v_lo=lo, v_hi=hi, dc_by_position=True, **common,
-        )
-        val = part.float() * (1.0 / scales[1]) if fixed else part
-        if perm is None:
-            dc[lo:hi] = val.to(c.dtype)
-        else:
-            dc[perm[lo:hi]] = val.to(c.dtype)
-    del dc_buf
-    if fixed:
-        de = de_buf.float() * (1.0 / scales[0])
-        db = db_buf.float() * (1.0 / scales[2]) if db_buf is not None else None
     else:
-        de, db = de_buf, db_buf
-    if mu is not None:
-        de.addr_(a - b, mu)
-    if u is not None and uniform_in_kernel is None:
-        _uniform_outside(e, c, u, de, dc, db)
-    if fixed:
+        fixed = acc == "fixed"
+        buf_dtype = torch.int64 if fixed else torch.float32
+        scales = _fixed_point_scales(e, c, a, b, u, cfg.vocab_size, comm) if fixed else None
+        de_buf = torch.zeros(e.shape, device=e.device, dtype=buf_dtype)
+        dc = torch.empty_like(c)
+        # The vocabulary goes in bwd_v_chunks launches, so the fp32 / int64 dC buffer is a chunk.
+        chunk = -(-v // kcfg.bwd_v_chunks)
+        chunk = -(-chunk // kcfg.bwd_block_v) * kcfg.bwd_block_v
+        dc_buf = torch.empty((min(chunk, v), c.shape[1]), device=c.device, dtype=buf_dtype)
+        for lo in range(0, v, chunk):
+            hi = min(v, lo + chunk)
+            part = dc_buf[: hi - lo]
+            part.zero_()
+            kernels.cce_backward(
+                e, c, bias, targets, lse, a, b, uniform_in_kernel, thr, perm, mu, de_buf, part, db, scales,
+                v_lo=lo, v_hi=hi, dc_by_position=True, **common,
+            )
+            val = part.float() * (1.0 / scales[1]) if fixed else part
+            dc[perm[lo:hi] if perm is not None else slice(lo, hi)] = val.to(c.dtype)
+        del dc_buf
+        if fixed:
+            if reduce_de:
+                comm.all_sum_(de_buf)  # int64: exact, so the sum over ranks is order-free too
+            # "exact" filters nothing, so there is no outside term to add.
+            de = de_buf.float() * (1.0 / scales[0])
+            db = db.float() * (1.0 / scales[2]) if db is not None else None
+        else:
+            de = finish(de_buf, slice(None))
+        de = de.to(de_dtype)
+    if u_outside is not None:
+        dc -= (e.t() @ u_outside.to(e.dtype)).to(dc.dtype)[None, :]
+        if db is not None:
+            db -= u_outside.sum()
+    if acc == "fixed":
         _propagate_nan(lse, de, dc, db)
-    return de.to(e.dtype), dc, db.to(bias.dtype) if db is not None else None
+    return de, dc, db.to(bias.dtype) if db is not None else None
+
+
+def torch_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, comm=SINGLE, reduce_de=True):
+    """The PyTorch reference's backward with the same dE contract as triton_backward."""
+    de, dc, db = reference.backward(e, c, bias, targets, lse, a, b, u, cfg.softcap)
+    if reduce_de:
+        comm.all_sum_(de)
+        return de.to(e.dtype), dc, db
+    return de, dc, db
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,26 +377,53 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """(e [N, D], c [V, D], bias [V] | None, targets [N] int64) -> (loss [N] fp32, lse [N] fp32)."""
+    """Per-token loss and log-sum-exp, fp32, for all n tokens (0 at ignored ones).
+
+    e: [n_rows, D] (this rank's rows under sequence parallelism, else all n); c: [V_shard, D];
+    bias: [V_shard] or None; targets: [n] int64, the row of c holding each token's target, or any
+    value outside [0, V_shard) when another rank holds it; keep: [n_kept] int64 indices of the
+    tokens that count, or None for all.
+    """
 
     @staticmethod
-    def forward(ctx, e, c, bias, targets, cfg: LossConfig):
-        mx, se, zt, zsum, perm = local_stats(e, c, bias, targets, cfg)
-        lse = mx + torch.log(se)
+    def forward(ctx, e, c, bias, targets, keep, cfg: LossConfig, comm: Collectives, sequence_parallel: bool):
+        e_all = comm.gather_rows(e) if sequence_parallel else e
+        n = e_all.shape[0]
+        e_k = e_all if keep is None else e_all.index_select(0, keep)
+        t_k = targets if keep is None else targets.index_select(0, keep)
+        mx, se, zt, zsum, perm = local_stats(e_k, c, bias, t_k, cfg)
+        m, se, zt, zsum = _combine(mx, se, zt, zsum, comm)
+        lse = m + torch.log(se)
         loss = token_loss(lse, zt, zsum, cfg)
-        ctx.cfg = cfg
-        ctx.save_for_backward(e, c, bias, targets, lse, zt, perm)
-        return loss, lse
+        if keep is not None:
+            loss = loss.new_zeros(n).index_copy_(0, keep, loss)
+            lse_out = lse.new_zeros(n).index_copy_(0, keep, lse)
+        else:
+            lse_out = lse
+        ctx.cfg, ctx.comm, ctx.sp, ctx.n = cfg, comm, sequence_parallel, n
+        ctx.save_for_backward(e_k, c, bias, t_k, keep, lse, zt, perm)
+        return loss, lse_out
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
-        e, c, bias, targets, lse, zt, perm = ctx.saved_tensors
-        cfg: LossConfig = ctx.cfg
-        if g_loss is None:
-            g_loss = torch.zeros_like(lse)
-        a, b, u = coefficients(g_loss.float(), g_lse.float() if g_lse is not None else None, lse, cfg)
+        e_k, c, bias, t_k, keep, lse, zt, perm = ctx.saved_tensors
+        cfg, comm, sp = ctx.cfg, ctx.comm, ctx.sp
+
+        def kept(g):
+            if g is None:
+                return None
+            g = g.float()
+            return g if keep is None else g.index_select(0, keep)
+
+        g_loss = kept(g_loss) if g_loss is not None else torch.zeros_like(lse)
+        a, b, u = coefficients(g_loss, kept(g_lse), lse, cfg)
         if cfg.use_triton:
-            de, dc, db = triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg)
+            de, dc, db = triton_backward(e_k, c, bias, t_k, lse, zt, a, b, u, perm, cfg, comm, reduce_de=not sp)
         else:
-            de, dc, db = reference.backward(e, c, bias, targets, lse, a, b, u, cfg.softcap)
-        return de, dc, db, None, None
+            de, dc, db = torch_backward(e_k, c, bias, t_k, lse, a, b, u, cfg, comm, reduce_de=not sp)
+        if keep is not None:
+            de = de.new_zeros((ctx.n, de.shape[1])).index_copy_(0, keep, de)
+        if sp:
+            # fp32 partial sums over this rank's vocabulary -> this rank's rows of the full sum.
+            de = comm.sum_scatter_rows(de).to(e_k.dtype)
+        return de, dc, db, None, None, None, None, None

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from cce_parallel.ops.autograd import IMPL_TRAITS, LinearCrossEntropyFunction, LossConfig
+from cce_parallel.ops.autograd import IMPL_TRAITS, SINGLE, Collectives, LinearCrossEntropyFunction, LossConfig
 
 IMPLS = tuple(IMPL_TRAITS)
 REDUCTIONS = ("none", "sum", "mean")
@@ -65,8 +65,13 @@ def _triton_usable(impl: str, device: torch.device) -> bool:
     return False
 
 
-def check_inputs(e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl):
-    """Raise a clear error for any malformed argument (no tensor data is read here)."""
+def check_inputs(
+    e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl, row_ranks=1
+):
+    """Raise a clear error for any malformed argument (no tensor data is read here).
+
+    row_ranks: under sequence parallelism e holds 1/row_ranks of the rows targets covers.
+    """
     for name, t in (("e", e), ("c", c), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -101,8 +106,10 @@ def check_inputs(e, c, targets, bias, *, ignore_index, softcap, label_smoothing,
         raise ValueError(f"c must be 2-D [V, D], got shape {tuple(c.shape)}")
     if e.dim() < 1 or e.shape[-1] != c.shape[1]:
         raise ValueError(f"shape mismatch: e {tuple(e.shape)} must end in D={c.shape[1]} (c is {tuple(c.shape)})")
-    if tuple(targets.shape) != tuple(e.shape[:-1]):
-        raise ValueError(f"shape mismatch: targets {tuple(targets.shape)} must equal e.shape[:-1] {tuple(e.shape[:-1])}")
+    rows = (e.shape[0] * row_ranks, *e.shape[1:-1]) if e.dim() > 1 else ()
+    if tuple(targets.shape) != rows:
+        what = "e.shape[:-1]" if row_ranks == 1 else f"e.shape[:-1] with dim 0 times {row_ranks} (sequence parallel)"
+        raise ValueError(f"shape mismatch: targets {tuple(targets.shape)} must equal {what} = {rows}")
     if bias is not None and tuple(bias.shape) != (c.shape[0],):
         raise ValueError(f"bias must have shape ({c.shape[0]},) to match c's V, got {tuple(bias.shape)}")
     if c.shape[0] == 0:
@@ -141,7 +148,7 @@ def linear_cross_entropy(
     filter_eps: Union[str, float, None] = "auto",
     return_lse: bool = False,
 ):
-    """Cross-entropy of the logits e @ c.T (+ bias) without materializing them.
+    """Cross-entropy of the logits e @ c.T (+ bias) without materializing them, on one device.
 
     Args:
         e: [..., D] hidden states (float32, float16 or bfloat16).
@@ -161,16 +168,51 @@ def linear_cross_entropy(
     Returns:
         loss, or (loss, lse) when return_lse.
     """
+    return sharded_linear_cross_entropy(
+        e, c, targets, bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
+        z_loss=z_loss, reduction=reduction, impl=impl, filter_eps=filter_eps, return_lse=return_lse,
+    )
+
+
+def sharded_linear_cross_entropy(
+    e,
+    c,
+    targets,
+    *,
+    bias=None,
+    ignore_index=-100,
+    softcap=None,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    reduction="mean",
+    impl="cce",
+    filter_eps="auto",
+    return_lse=False,
+    comm: Collectives = SINGLE,
+    vocab_start: int = 0,
+    vocab_size: Optional[int] = None,
+    sequence_parallel: bool = False,
+    world: int = 1,
+):
+    """`linear_cross_entropy` where c holds rows [vocab_start, vocab_start + V_shard) of a
+    vocab_size vocabulary and `comm` reaches the ranks holding the rest (parallel/ builds those).
+
+    With sequence_parallel, e holds this rank's 1/world of the rows (dim 0) that targets covers.
+    """
     check_inputs(
         e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
-        z_loss=z_loss, reduction=reduction, impl=impl,
+        z_loss=z_loss, reduction=reduction, impl=impl, row_ranks=world if sequence_parallel else 1,
     )
     eps = _resolve_filter_eps(filter_eps, e.dtype)
-    vocab = c.shape[0]
+    shard = c.shape[0]
+    vocab = vocab_size if vocab_size is not None else shard
     out_shape = targets.shape
     e2 = e.reshape(-1, e.shape[-1])
     t2 = targets.reshape(-1).long()
     keep, n_keep = check_targets(t2, vocab, ignore_index)
+    if shard != vocab:
+        # Each rank scores the targets its shard holds; -1 marks "held elsewhere".
+        t2 = torch.where((t2 >= vocab_start) & (t2 < vocab_start + shard), t2 - vocab_start, -1)
 
     use_triton = _triton_usable(impl, e.device)
     kernel_cfg = None
@@ -188,25 +230,14 @@ def linear_cross_entropy(
         use_triton=use_triton,
         kernel=kernel_cfg,
     )
-
-    n = t2.shape[0]
-    if n_keep == n:
-        idx = None
-        e_k, t_k = e2, t2
-    else:
-        # Appendix B of the paper: ignored tokens never reach the kernels.
-        idx = torch.nonzero(keep).squeeze(1)
-        e_k, t_k = e2.index_select(0, idx), t2.index_select(0, idx)
+    # Appendix B of the paper: ignored tokens never reach the kernels (the Function drops them).
+    keep_idx = None if n_keep == t2.shape[0] else torch.nonzero(keep).squeeze(1)
     # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
-    loss_k, lse_k = LinearCrossEntropyFunction.apply(e_k.contiguous(), c_k, bias_k, t_k, cfg)
-
-    if idx is None:
-        loss, lse = loss_k, lse_k
-    else:
-        loss = loss_k.new_zeros(n).index_copy(0, idx, loss_k)
-        lse = lse_k.new_zeros(n).index_copy(0, idx, lse_k)
+    loss, lse = LinearCrossEntropyFunction.apply(
+        e2.contiguous(), c_k, bias_k, t2, keep_idx, cfg, comm, sequence_parallel
+    )
     if reduction == "none":
         loss = loss.reshape(out_shape)
     elif reduction == "sum":

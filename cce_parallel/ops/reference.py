@@ -56,9 +56,12 @@ def forward_stats(e, c, bias, targets, softcap, *, need_zsum: bool):
 
 
 def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap):
-    """(dE, dC, dbias) in the input dtype; dz = A p - B onehot - U, through the softcap."""
+    """(dE in fp32, dC and dbias in the input dtype); dz = A p - B onehot - U, through the softcap.
+
+    dE stays fp32 so that tensor-parallel ranks can sum their partial dE before rounding.
+    """
     n, v = e.shape[0], c.shape[0]
-    de = torch.empty_like(e)
+    de = torch.empty(e.shape, device=e.device, dtype=torch.float32)
     dc = torch.zeros(c.shape, device=c.device, dtype=torch.float32)
     db = torch.zeros(v, device=c.device, dtype=torch.float32) if bias is not None else None
     for lo, hi in _chunks(n, v):
@@ -72,6 +75,6 @@ def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap):
         if db is not None:
             db += dz.sum(dim=0)
         dz_lp = dz.to(e.dtype)
-        de[lo:hi] = dz_lp @ c
+        de[lo:hi] = (dz_lp @ c).float()
         dc += (dz_lp.t() @ e[lo:hi]).float()
     return de, dc.to(c.dtype), db.to(bias.dtype) if db is not None else None

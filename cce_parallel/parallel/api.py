@@ -1,0 +1,107 @@
+"""The public loss: one device, or a vocabulary shard per tensor-parallel rank."""
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from cce_parallel.ops.functional import check_inputs, sharded_linear_cross_entropy
+from cce_parallel.parallel.collectives import GroupCollectives
+from cce_parallel.parallel.vocab import agree_on_layout
+
+
+def linear_cross_entropy(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+    impl: str = "cce",
+    filter_eps: Union[str, float, None] = "auto",
+    return_lse: bool = False,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_range: Optional[Tuple[int, int]] = None,
+    sequence_parallel: bool = False,
+):
+    """Cross-entropy of the logits e @ c.T (+ bias) without materializing them.
+
+    Args:
+        e: [..., D] hidden states (float32, float16 or bfloat16). With sequence_parallel, this
+            rank's slice along dim 0 (Megatron's [s/tp, b, h]).
+        c: [V, D] classifier, same dtype and device; with tp_group, this rank's rows of it.
+        targets: [...] integer class ids in the full vocabulary, shaped like e.shape[:-1] (with
+            sequence_parallel: like the gathered e, i.e. the full sequence).
+        bias: optional classifier bias, [V] (or this rank's shard of it).
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        softcap: Gemma 2 style soft-capping, logits become softcap * tanh(logits / softcap).
+        label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy, over the full vocabulary.
+        z_loss: adds z_loss * lse**2 per token (lse over the full vocabulary).
+        reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
+        impl: one of IMPLS (see the README's table).
+        filter_eps: gradient-filter threshold of the filtering impls: "auto", a float or None.
+        return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
+            ignored); it is differentiable.
+        tp_group: the tensor-parallel ProcessGroup whose ranks each hold a shard of c.
+        vocab_range: (start, stop) rows of the full classifier this rank holds; default: equal,
+            contiguous shards in rank order.
+        sequence_parallel: e is sequence-parallel: gathered before the loss, its gradient
+            reduce-scattered back.
+
+    Returns:
+        loss, or (loss, lse) when return_lse; identical on every rank of tp_group.
+    """
+    options = dict(
+        bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
+        reduction=reduction, impl=impl, filter_eps=filter_eps, return_lse=return_lse,
+    )
+    if tp_group is None:
+        if vocab_range is not None or sequence_parallel:
+            raise ValueError("vocab_range and sequence_parallel need a tp_group")
+        return sharded_linear_cross_entropy(e, c, targets, **options)
+
+    # Check this rank's own inputs first, but raise only after every rank has reported.
+    world = dist.get_world_size(tp_group)
+    local_error = None
+    try:
+        check_inputs(
+            e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
+            z_loss=z_loss, reduction=reduction, impl=impl, row_ranks=world if sequence_parallel else 1,
+        )
+        if vocab_range is not None:
+            if len(vocab_range) != 2 or not all(isinstance(x, int) for x in vocab_range):
+                raise ValueError(f"vocab_range must be a pair of ints (start, stop), got {vocab_range!r}")
+        if sequence_parallel and e.dim() < 2:
+            raise ValueError("sequence_parallel needs e with a sequence dimension: [s/tp, ..., D]")
+    except (TypeError, ValueError) as err:
+        local_error = err
+    layout = agree_on_layout(tp_group, e, c, targets, vocab_range, sequence_parallel, local_error)
+    return sharded_linear_cross_entropy(
+        e, c, targets, **options, comm=GroupCollectives(tp_group), vocab_start=layout.start,
+        vocab_size=layout.vocab_size, sequence_parallel=sequence_parallel, world=layout.world,
+    )
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """Cut cross-entropy loss with fixed options; forward(e, c, targets, bias=None).
+
+    Takes the same keyword options as `cce_parallel.linear_cross_entropy`, tp_group included.
+    """
+
+    def __init__(self, **options):
+        super().__init__()
+        allowed = set(linear_cross_entropy.__kwdefaults__) - {"bias"}
+        unknown = set(options) - allowed
+        if unknown:
+            raise TypeError(f"LinearCrossEntropy got unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        self.options = options
+
+    def forward(self, e, c, targets, bias=None):
+        return linear_cross_entropy(e, c, targets, bias=bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k != "tp_group")
