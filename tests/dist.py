@@ -1,0 +1,217 @@
+"""spawn(worker, world_size): run a worker in one process group of world_size processes.
+
+Each process joins a process group (gloo on CPU, NCCL with one GPU per rank) through a file store
+in a fresh temporary directory (no port to race for), calls ``worker(rank, world_size, report,
+*args)`` and sends back what it reports. A worker checks many cases in one group, because
+spawning a process with torch imported costs seconds; ``report.started(name)`` before each case
+tells the parent where a hang happened, ``report.result(name, value)`` hands back anything
+picklable (a failure message, measured errors).
+
+The parent waits at most ``timeout`` seconds in all, and ``grace`` seconds after a rank has died,
+then kills what is left: a hang or a rank stuck in a collective fails the test instead of blocking
+CI. Collectives themselves time out after ``collective_timeout`` seconds (gloo and NCCL honour the
+process group's timeout), so a rank waiting for a dead peer errors out and says so.
+
+Spawned children inherit os.environ, so TRITON_INTERPRET=1 set by tests/conftest.py holds there
+before triton is imported. Children find the test modules through the parent's sys.path.
+"""
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import queue as queue_lib
+import shutil
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class Reporter:
+    """Passed to the worker: sends (kind, rank, name, value) messages to the parent."""
+
+    def __init__(self, queue, rank: int):
+        self._queue = queue
+        self.rank = rank
+
+    def started(self, name: str):
+        self._queue.put(("started", self.rank, name, None))
+
+    def result(self, name: str, value=None):
+        self._queue.put(("result", self.rank, name, value))
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    rank: int
+    exitcode: int | None = None
+    results: dict = dataclasses.field(default_factory=dict)  # name -> reported value, in order
+    error: str | None = None  # traceback of an exception that escaped the worker
+    last_started: str | None = None
+    finished: bool = False  # the worker returned normally
+    killed: bool = False
+
+
+@dataclasses.dataclass
+class GroupOutcome:
+    world_size: int
+    ranks: list
+    seconds: float
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(r.finished and r.exitcode == 0 for r in self.ranks)
+
+    def describe(self, limit: int = 6000) -> str:
+        """What went wrong with the group itself (dead ranks, hangs, escaped exceptions)."""
+        lines = [
+            f"process group of {self.world_size} ({self.seconds:.0f} s)"
+            + (" TIMED OUT" if self.timed_out else "")
+        ]
+        for r in self.ranks:
+            state = "ok" if r.finished and r.exitcode == 0 else "FAILED"
+            extra = " (killed)" if r.killed else ""
+            lines.append(
+                f"  rank {r.rank}: {state}, exit code {r.exitcode}{extra}, last case started: {r.last_started}"
+            )
+            if r.error:
+                lines.append("    " + r.error.strip().replace("\n", "\n    "))
+        text = "\n".join(lines)
+        return text if len(text) <= limit else text[: limit // 2] + "\n...\n" + text[-limit // 2 :]
+
+    def results(self, rank: int = 0) -> dict:
+        return self.ranks[rank].results
+
+    def merged(self) -> dict:
+        """name -> {rank: value} over all ranks, in first-reported order."""
+        out = {}
+        for r in self.ranks:
+            for name, value in r.results.items():
+                out.setdefault(name, {})[r.rank] = value
+        return out
+
+
+def _entry(rank, world_size, backend, init_file, collective_timeout, fn, args, queue):
+    report = Reporter(queue, rank)
+    code = 0
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        else:
+            # All ranks are on this host: talk over loopback, whatever the hostname resolves to.
+            if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+                os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+            # Several ranks share few cores: fewer threads each avoid oversubscription.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
+        fn(rank, world_size, report, *args)
+        queue.put(("finished", rank, None, None))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put(("error", rank, None, traceback.format_exc()))
+        code = 1
+    finally:
+        if code == 0 and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    # Flush the queue before leaving; skip interpreter teardown (gloo/NCCL threads may linger).
+    queue.close()
+    queue.join_thread()
+    os._exit(code)
+
+
+def spawn(
+    fn,
+    world_size: int,
+    args: tuple = (),
+    *,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    collective_timeout: float = 120.0,
+    grace: float = 20.0,
+) -> GroupOutcome:
+    """Run fn(rank, world_size, report, *args) in world_size spawned processes; collect reports.
+
+    fn must be importable by name (a module-level function). Never raises for worker failures:
+    check GroupOutcome.ok and the reported results.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="cce_dist_")
+    init_file = os.path.join(tmp, "store")
+    outcomes = [RankOutcome(rank) for rank in range(world_size)]
+    procs = []
+    start = time.monotonic()
+    timed_out = False
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_entry,
+                args=(rank, world_size, backend, init_file, collective_timeout, fn, args, queue),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        first_death = None
+
+        def drain(block_s: float):
+            try:
+                msg = queue.get(timeout=block_s)
+            except queue_lib.Empty:
+                return False
+            kind, rank, name, value = msg
+            o = outcomes[rank]
+            if kind == "started":
+                o.last_started = name
+            elif kind == "result":
+                o.results[name] = value
+            elif kind == "error":
+                o.error = value
+            elif kind == "finished":
+                o.finished = True
+            return True
+
+        while any(p.is_alive() for p in procs):
+            drain(0.2)
+            now = time.monotonic()
+            dead_bad = [o for o, p in zip(outcomes, procs) if not p.is_alive() and p.exitcode != 0]
+            if dead_bad or any(o.error for o in outcomes):
+                first_death = first_death or now
+            if now - start > timeout:
+                timed_out = True
+                break
+            if first_death is not None and now - first_death > grace:
+                break
+        while drain(0.05):
+            pass
+    finally:
+        for o, p in zip(outcomes, procs):
+            if p.is_alive():
+                p.kill()
+                o.killed = True
+            p.join(timeout=10)
+            o.exitcode = p.exitcode
+        while True:
+            try:
+                kind, rank, name, value = queue.get_nowait()
+            except (queue_lib.Empty, OSError, ValueError):
+                break
+            if kind == "result":
+                outcomes[rank].results[name] = value
+            elif kind == "error":
+                outcomes[rank].error = value
+            elif kind == "finished":
+                outcomes[rank].finished = True
+        queue.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return GroupOutcome(world_size, outcomes, time.monotonic() - start, timed_out)
