@@ -70,13 +70,18 @@ def _env_override(text: str) -> dict:
     return fields
 
 
-def default_config(device: torch.device) -> KernelConfig:
-    """The fixed defaults for a device; the environment variable CCE_PARALLEL_KERNEL_CONFIG
-    (a JSON object of field overrides, e.g. '{"bwd_block_n": 128}') replaces any field."""
+def default_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
+    """The fixed defaults for a device and input dtype; the environment variable
+    CCE_PARALLEL_KERNEL_CONFIG (a JSON object of field overrides, e.g. '{"bwd_block_n": 128}')
+    replaces any field."""
     if device.type != "cuda":
         cfg = INTERPRETER_CONFIG
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         cfg = replace(KernelConfig(), fwd_programs=4 * sms)
+        if dtype.itemsize == 4:
+            # fp32 tiles take twice the shared memory per pipeline stage: halve their depth in D
+            # (3 x 2 x 128 x 128 x 4 bytes would pass the 227 KB a Hopper block can have).
+            cfg = replace(cfg, fwd_block_d=cfg.fwd_block_d // 2, bwd_block_d=cfg.bwd_block_d // 2)
     text = os.environ.get(_ENV_OVERRIDE)
     return replace(cfg, **_env_override(text)) if text else cfg

@@ -219,7 +219,7 @@ def sharded_linear_cross_entropy(
     if use_triton:
         from cce_parallel.kernels.config import default_config
 
-        kernel_cfg = default_config(e.device)
+        kernel_cfg = default_config(e.device, e.dtype)
     cfg = LossConfig(
         impl=impl,
         softcap=float(softcap) if softcap is not None else None,
