@@ -33,12 +33,14 @@ class KernelConfig:
     bwd_v_chunks: int = 16
     bwd_de_chunk_bytes: int = 8 << 20
     bwd_filter_by_max: int = 0
+    bwd_workspace_bytes: int = 0
+    ws_block_do: int = 128
 
     def __post_init__(self):
         for name, value in self.__dict__.items():
-            if not isinstance(value, int) or value < (0 if name == "bwd_filter_by_max" else 1):
+            if not isinstance(value, int) or value < (0 if name in ("bwd_filter_by_max", "bwd_workspace_bytes") else 1):
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        for name in ("fwd_block_n", "fwd_block_v", "fwd_block_d", "bwd_block_n", "bwd_block_v", "bwd_block_d"):
+        for name in ("fwd_block_n", "fwd_block_v", "fwd_block_d", "bwd_block_n", "bwd_block_v", "bwd_block_d", "ws_block_do"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
@@ -49,7 +51,7 @@ class KernelConfig:
 INTERPRETER_CONFIG = KernelConfig(
     fwd_block_n=16, fwd_block_v=64, fwd_block_d=32, fwd_programs=8, fwd_num_warps=4, fwd_num_stages=1,
     bwd_block_n=16, bwd_block_v=64, bwd_block_d=32, bwd_group_n=2, bwd_num_warps=4, bwd_num_stages=1,
-    bwd_v_chunks=3, bwd_de_chunk_bytes=4096,
+    bwd_v_chunks=3, bwd_de_chunk_bytes=4096, ws_block_do=32,
 )
 
 

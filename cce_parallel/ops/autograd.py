@@ -303,7 +303,15 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
     common = dict(softcap=cfg.softcap, filter_e=filter_e, filter_c=filter_c, config=kcfg)
     db = torch.zeros(v, device=c.device, dtype=torch.int64 if acc == "fixed" else torch.float32) if bias is not None else None
 
-    if acc == "dtype":
+    if acc != "dtype" and kcfg.bwd_workspace_bytes:
+        # The workspace backward (opt-in): on an H200 it was 5x (cce_kahan_full_c) to 18x
+        # ("exact") faster than the tile-wise paths below, and deterministic, as nothing in it
+        # is atomic (benchmarks/results/NOTES.md).
+        de, dc, db = _workspace_backward(
+            e, c, bias, targets, lse, a, b, uniform_in_kernel, thr, perm, mu, filter_e, filter_c, cfg, finish
+        )
+        de = de.to(de_dtype)
+    elif acc == "dtype":
         # dC accumulates straight into the gradient dtype (the paper's CCE). dE goes through an fp32
         # buffer of at most bwd_de_chunk_bytes, one launch per token chunk: a row of dE gathers a
         # term from every kept tile along the vocabulary, and bf16 atomics would round at each.
@@ -361,6 +369,31 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
     if acc == "fixed":
         _propagate_nan(lse, de, dc, db)
     return de, dc, db.to(bias.dtype) if db is not None else None
+
+
+def _workspace_backward(e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, filter_e, filter_c, cfg, finish):
+    """The workspace backward (kernels/backward_ws.py): one chunk of vocabulary positions at a time,
+    no atomics; dE in an fp32 buffer, dC and dbias written once per row."""
+    from cce_parallel import kernels
+
+    kcfg = cfg.kernel
+    n, d = e.shape
+    v = c.shape[0]
+    bn, bv = kcfg.bwd_block_n, kcfg.bwd_block_v
+    vc = max(bv, kcfg.bwd_workspace_bytes // (n * e.element_size()) // bv * bv)
+    vc = min(vc, -(-v // bv) * bv)
+    ws = torch.empty((n, vc), device=e.device, dtype=e.dtype)
+    mask = torch.empty((-(-n // bn), vc // bv), device=e.device, dtype=torch.int8)
+    de = torch.zeros((n, d), device=e.device, dtype=torch.float32)
+    dc = torch.empty_like(c)
+    db = torch.empty(v, device=c.device, dtype=torch.float32) if bias is not None else None
+    for lo in range(0, v, vc):
+        kernels.cce_backward_ws(
+            e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, de, dc, db, ws, mask,
+            softcap=cfg.softcap, v_lo=lo, v_hi=min(v, lo + vc), filter_e=filter_e, filter_c=filter_c, config=kcfg,
+        )
+    del ws, mask
+    return finish(de, slice(None)), dc, db
 
 
 def torch_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, comm=SINGLE, reduce_de=True):

@@ -354,3 +354,34 @@ def test_public_api():
         "exact",
         "torch",
     }
+
+
+# The workspace backward (kernels/backward_ws.py) is opt-in: KernelConfig.bwd_workspace_bytes > 0
+# sends the buffered impls through it. A small workspace gives several vocabulary chunks here.
+WORKSPACE_IMPLS = ("cce_kahan", "cce_kahan_full_c", "cce_kahan_full_e", "exact")
+
+
+@pytest.fixture
+def small_workspace(monkeypatch):
+    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", '{"bwd_workspace_bytes": 6000}')
+
+
+@pytest.mark.parametrize("case", ["bias-softcap-none", "everything-3d", "many-tokens", "all-ignored-mean"])
+@pytest.mark.parametrize("impl", WORKSPACE_IMPLS)
+def test_workspace_backward_matches_oracle(impl, case, device, small_workspace):
+    check_case(CASES[case], impl, device)
+
+
+@pytest.mark.parametrize("impl", WORKSPACE_IMPLS)
+def test_workspace_backward_peaked_filtering(impl, device, small_workspace):
+    inputs = peaked_inputs((64,), V, D, device=device, **PEAKED)
+    options = {"impl": impl, "filter_eps": 2.0**-12, "reduction": "none", "return_lse": True}
+    grad_loss, grad_lse = upstream(inputs["targets"], "none", True)
+    check_against_oracle(
+        linear_cross_entropy, inputs, options, 1e-3, grad_loss=grad_loss, grad_lse=grad_lse,
+        label=f"{impl}/workspace/peaked",
+    )
+
+
+def test_workspace_backward_is_deterministic(device, small_workspace):
+    test_exact_is_deterministic(device)
