@@ -14,8 +14,15 @@ class KernelConfig:
     """Block sizes and launch settings for the forward and backward kernels.
 
     fwd_programs is the number of programs the forward aims for; it sets how many vocabulary
-    splits each token block gets. bwd_v_chunks is how many launches the buffered backward modes
-    (fp32 / fixed point) split the vocabulary into, so that their dC buffer is 1/bwd_v_chunks of dC.
+    splits each token block gets.
+
+    bwd_workspace_bytes > 0 (the default) selects the workspace backward (kernels/backward_ws.py)
+    for every Triton impl: the logit gradient of one vocabulary chunk is staged in a workspace of at
+    most that many bytes and summed into dE and dC by block-sparse GEMMs, with no atomics. 0 selects
+    the tile-wise backward (kernels/backward.py), which needs less memory (no workspace, and for
+    "cce" no fp32 dE buffer over all tokens) but is 3-18x slower on an H200. There, bwd_v_chunks is
+    how many launches the buffered modes (fp32 / fixed point) split the vocabulary into, so that
+    their dC buffer is 1/bwd_v_chunks of dC, and bwd_de_chunk_bytes bounds cce's fp32 dE buffer.
     """
 
     fwd_block_n: int = 128
@@ -33,7 +40,7 @@ class KernelConfig:
     bwd_v_chunks: int = 16
     bwd_de_chunk_bytes: int = 8 << 20
     bwd_filter_by_max: int = 0
-    bwd_workspace_bytes: int = 0
+    bwd_workspace_bytes: int = 64 << 20
     ws_block_do: int = 128
 
     def __post_init__(self):
@@ -51,7 +58,7 @@ class KernelConfig:
 INTERPRETER_CONFIG = KernelConfig(
     fwd_block_n=16, fwd_block_v=64, fwd_block_d=32, fwd_programs=8, fwd_num_warps=4, fwd_num_stages=1,
     bwd_block_n=16, bwd_block_v=64, bwd_block_d=32, bwd_group_n=2, bwd_num_warps=4, bwd_num_stages=1,
-    bwd_v_chunks=3, bwd_de_chunk_bytes=4096, ws_block_do=32,
+    bwd_v_chunks=3, bwd_de_chunk_bytes=4096, bwd_workspace_bytes=6000, ws_block_do=32,
 )
 
 

@@ -303,10 +303,10 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
     common = dict(softcap=cfg.softcap, filter_e=filter_e, filter_c=filter_c, config=kcfg)
     db = torch.zeros(v, device=c.device, dtype=torch.int64 if acc == "fixed" else torch.float32) if bias is not None else None
 
-    if acc != "dtype" and kcfg.bwd_workspace_bytes:
-        # The workspace backward (opt-in): on an H200 it was 5x (cce_kahan_full_c) to 18x
-        # ("exact") faster than the tile-wise paths below, and deterministic, as nothing in it
-        # is atomic (benchmarks/results/NOTES.md).
+    if kcfg.bwd_workspace_bytes:
+        # The workspace backward (the default): on an H200 it was 3x (cce) to 18x ("exact") faster
+        # than the tile-wise paths below, and deterministic for every impl, as nothing in it is
+        # atomic (benchmarks/results/NOTES.md). dC is summed in fp32 registers and rounded once.
         de, dc, db = _workspace_backward(
             e, c, bias, targets, lse, a, b, uniform_in_kernel, thr, perm, mu, filter_e, filter_c, cfg, finish
         )

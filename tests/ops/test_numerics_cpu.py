@@ -356,32 +356,39 @@ def test_public_api():
     }
 
 
-# The workspace backward (kernels/backward_ws.py) is opt-in: KernelConfig.bwd_workspace_bytes > 0
-# sends the buffered impls through it. A small workspace gives several vocabulary chunks here.
-WORKSPACE_IMPLS = ("cce_kahan", "cce_kahan_full_c", "cce_kahan_full_e", "exact")
+# The default backward is the workspace one (kernels/backward_ws.py; the interpreter's 6000-byte
+# workspace gives several vocabulary chunks here). bwd_workspace_bytes = 0 selects the tile-wise
+# backward (kernels/backward.py), the low-memory path: the same checks run through it.
+TRITON_IMPLS = tuple(i for i in IMPLS if i != "torch")
 
 
 @pytest.fixture
-def small_workspace(monkeypatch):
-    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", '{"bwd_workspace_bytes": 6000}')
+def tilewise(monkeypatch):
+    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", '{"bwd_workspace_bytes": 0}')
+
+
+def test_default_backward_is_the_workspace_one():
+    from cce_parallel.kernels.config import INTERPRETER_CONFIG, KernelConfig
+
+    assert KernelConfig().bwd_workspace_bytes > 0 and INTERPRETER_CONFIG.bwd_workspace_bytes > 0
 
 
 @pytest.mark.parametrize("case", ["bias-softcap-none", "everything-3d", "many-tokens", "all-ignored-mean"])
-@pytest.mark.parametrize("impl", WORKSPACE_IMPLS)
-def test_workspace_backward_matches_oracle(impl, case, device, small_workspace):
+@pytest.mark.parametrize("impl", TRITON_IMPLS)
+def test_tilewise_backward_matches_oracle(impl, case, device, tilewise):
     check_case(CASES[case], impl, device)
 
 
-@pytest.mark.parametrize("impl", WORKSPACE_IMPLS)
-def test_workspace_backward_peaked_filtering(impl, device, small_workspace):
+@pytest.mark.parametrize("impl", TRITON_IMPLS)
+def test_tilewise_backward_peaked_filtering(impl, device, tilewise):
     inputs = peaked_inputs((64,), V, D, device=device, **PEAKED)
     options = {"impl": impl, "filter_eps": 2.0**-12, "reduction": "none", "return_lse": True}
     grad_loss, grad_lse = upstream(inputs["targets"], "none", True)
     check_against_oracle(
         linear_cross_entropy, inputs, options, 1e-3, grad_loss=grad_loss, grad_lse=grad_lse,
-        label=f"{impl}/workspace/peaked",
+        label=f"{impl}/tilewise/peaked",
     )
 
 
-def test_workspace_backward_is_deterministic(device, small_workspace):
+def test_tilewise_exact_is_deterministic(device, tilewise):
     test_exact_is_deterministic(device)
