@@ -15,11 +15,15 @@ processed in chunks of Vc positions, each in three launches:
   3. _ws_dc_kernel, grid (cdiv(Vc, BLOCK_V), cdiv(D, BLOCK_DO)): DC[chunk rows, cols] = WS[:, chunk]^T @ E[:, cols],
      summed over all N tokens in registers and written once (plus dbias from the first column block).
 
+The workspace holds dz times a power of two that brings the largest |A|, |B|, |U| to ~1 (dz would
+otherwise sit in fp16's subnormals under a mean over many tokens); the GEMMs divide it out.
+
 Memory: the workspace (N * Vc * 2 bytes, Vc from the caller's byte budget) and an fp32 dE buffer.
 Every reduction runs in a fixed order, so the result is bit-identical from run to run.
 All offsets are int64.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -38,7 +42,8 @@ def _dlogits_kernel(
     U_ptr,  # [N] fp32 uniform coefficient (dummy unless HAS_UNIFORM)
     Thr_ptr,  # [N] fp32 per-row probability threshold (dummy unless FILTER_E or FILTER_C)
     Perm_ptr,  # [V] int64 position -> vocabulary row (dummy unless SORTED)
-    WS_ptr,  # [N, Vc] out: d loss / d logits of the chunk, input dtype
+    Scale_ptr,  # [1] fp32 power of two the workspace is scaled by
+    WS_ptr,  # [N, Vc] out: scale * d loss / d logits of the chunk, input dtype
     Mask_ptr,  # [cdiv(N, BLOCK_N), cdiv(Vc, BLOCK_V)] int8 out: bit 0 dE, bit 1 dC
     softcap,
     N,
@@ -128,7 +133,9 @@ def _dlogits_kernel(
             dz -= tl.load(U_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
         if HAS_SOFTCAP:
             dz = dz * (1.0 - t * t)
-        dz = tl.where(mask, dz, 0.0)
+        # Scaled so the largest coefficient is ~1: with a mean over many tokens, unscaled fp16 dz
+        # would fall into fp16's subnormals. A power of two, so nothing else is rounded.
+        dz = tl.where(mask, dz * tl.load(Scale_ptr), 0.0)
         # The workspace is padded to whole tiles, so only rows need a mask (padding stores zeros).
         tl.store(
             WS_ptr + offs_n[:, None] * stride_wn + local[None, :],
@@ -144,6 +151,7 @@ def _ws_de_kernel(
     C_ptr,  # [V, D] classifier rows of this shard, read-only
     Perm_ptr,  # [V] int64 position -> row (dummy unless SORTED)
     Mu_ptr,  # [D] fp32 mean classifier row (dummy unless CENTER_E)
+    Scale_ptr,  # [1] fp32 the workspace's scale
     DE_ptr,  # [N, D] fp32 in/out, this program's block only
     N,
     D,
@@ -196,6 +204,7 @@ def _ws_de_kernel(
     if CENTER_E:
         mu = tl.load(Mu_ptr + offs_d, mask=mask_d, other=0.0)
         acc -= rowsum[:, None] * mu[None, :]
+    acc = acc / tl.load(Scale_ptr)
     ptrs = DE_ptr + offs_n[:, None] * stride_den + offs_d[None, :]
     m = mask_n[:, None] & mask_d[None, :]
     tl.store(ptrs, tl.load(ptrs, mask=m, other=0.0) + acc, mask=m)
@@ -207,6 +216,7 @@ def _ws_dc_kernel(
     Mask_ptr,  # [cdiv(N, BLOCK_N), cdiv(Vc, BLOCK_V)] int8 tile flags, read-only
     E_ptr,  # [N, D] hidden states, read-only
     Perm_ptr,  # [V] int64 position -> row (dummy unless SORTED)
+    Scale_ptr,  # [1] fp32 the workspace's scale
     DC_ptr,  # [V, D] out: rows of this chunk, written once
     DB_ptr,  # [V] fp32 out: dbias of this chunk's rows (dummy unless HAS_BIAS)
     N,
@@ -256,6 +266,9 @@ def _ws_dc_kernel(
             acc = tl.dot(tl.trans(ds), e, acc, input_precision=DOT_PRECISION)
             if HAS_BIAS:
                 colsum += tl.sum(ds.to(tl.float32), axis=0)
+    inv = 1.0 / tl.load(Scale_ptr)
+    acc = acc * inv
+    colsum = colsum * inv
     tl.store(
         DC_ptr + rows[:, None] * stride_dcv + offs_d[None, :],
         acc.to(DC_ptr.dtype.element_ty),
@@ -266,45 +279,83 @@ def _ws_dc_kernel(
             tl.store(DB_ptr + rows, colsum, mask=mask_v)
 
 
+def cce_dlogits_ws(
+    e, c, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, mask, *, softcap, v_lo, v_hi, config,
+):
+    """Launch 1 alone, unfiltered: ws[:, :v_hi - v_lo] = scale * dz for the chunk [v_lo, v_hi), every
+    tile written (for callers that do the two products with dense GEMMs). Arguments as cce_backward_ws."""
+    _check_scale(scale)
+    if e.shape[0] == 0 or v_hi <= v_lo:
+        return
+    _launch_dlogits(e, c, bias, targets, lse, coef_a, coef_b, coef_u, None, None, scale, ws, mask, softcap,
+                    v_lo, v_hi, False, False, config)
+
+
+def _check_scale(scale):
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError("scale must be a one-element fp32 tensor")
+
+
+def _launch_dlogits(e, c, bias, targets, lse, coef_a, coef_b, coef_u, threshold, perm, scale, ws, mask, softcap,
+                    v_lo, v_hi, filter_e, filter_c, config):
+    N, D = e.shape
+    V = c.shape[0]
+    bn, bv, bd = config.bwd_block_n, config.bwd_block_v, config.bwd_block_d
+    dummy = lse
+    _dlogits_kernel[(triton.cdiv(N, bn), triton.cdiv(v_hi - v_lo, bv))](
+        e, c, bias if bias is not None else dummy, targets, lse, coef_a, coef_b,
+        coef_u if coef_u is not None else dummy, threshold if threshold is not None else dummy,
+        perm if perm is not None else targets, scale, ws, mask,
+        float(softcap) if softcap is not None else 1.0,
+        N, V, D, v_lo, v_hi,
+        e.stride(0), e.stride(1), c.stride(0), c.stride(1), ws.stride(0), mask.stride(0),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
+        SORTED=perm is not None, FILTER_E=filter_e, FILTER_C=filter_c, DOT_PRECISION=dot_precision(e.dtype),
+        BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
+    )
+
+
 def cce_backward_ws(
-    e, c, bias, targets, lse, coef_a, coef_b, coef_u, threshold, perm, mu, de, dc, db, ws, mask,
+    e, c, bias, targets, lse, coef_a, coef_b, coef_u, threshold, perm, mu, scale, de, dc, db, ws, mask,
     *, softcap, v_lo, v_hi, filter_e: bool, filter_c: bool, config,
 ):
     """One vocabulary chunk [v_lo, v_hi) of the workspace backward (three launches).
 
+    scale: [1] fp32 power of two (ws_scale) the workspace holds dz times.
     de: [N, D] fp32, accumulated into. dc: [V, D] gradient (rows of the chunk are written).
     db: [V] fp32 or None (rows of the chunk are written). ws: [N, >= cdiv(v_hi - v_lo, BLOCK_V) * BLOCK_V]
     in e's dtype;
     mask: int8 [cdiv(N, BLOCK_N), >= cdiv(v_hi - v_lo, BLOCK_V)]. Other arguments as cce_backward.
     """
     N, D = e.shape
-    V = c.shape[0]
     if N == 0 or v_hi <= v_lo:
         return
-    bn, bv, bd, bdo = config.bwd_block_n, config.bwd_block_v, config.bwd_block_d, config.ws_block_do
+    _check_scale(scale)
+    bn, bv, bdo = config.bwd_block_n, config.bwd_block_v, config.ws_block_do
     nv = triton.cdiv(v_hi - v_lo, bv)
     dummy = lse
     prec = dot_precision(e.dtype)
-    _dlogits_kernel[(triton.cdiv(N, bn), nv)](
-        e, c, bias if bias is not None else dummy, targets, lse, coef_a, coef_b,
-        coef_u if coef_u is not None else dummy, threshold if threshold is not None else dummy,
-        perm if perm is not None else targets, ws, mask,
-        float(softcap) if softcap is not None else 1.0,
-        N, V, D, v_lo, v_hi,
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1), ws.stride(0), mask.stride(0),
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
-        SORTED=perm is not None, FILTER_E=filter_e, FILTER_C=filter_c, DOT_PRECISION=prec,
-        BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
-    )
+    _launch_dlogits(e, c, bias, targets, lse, coef_a, coef_b, coef_u, threshold, perm, scale, ws, mask, softcap,
+                    v_lo, v_hi, filter_e, filter_c, config)
     _ws_de_kernel[(triton.cdiv(N, bn), triton.cdiv(D, bdo))](
-        ws, mask, c, perm if perm is not None else targets, mu if mu is not None else dummy, de,
+        ws, mask, c, perm if perm is not None else targets, mu if mu is not None else dummy, scale, de,
         N, D, v_lo, v_hi, ws.stride(0), mask.stride(0), c.stride(0), c.stride(1), de.stride(0),
         SORTED=perm is not None, CENTER_E=mu is not None, DOT_PRECISION=prec,
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_DO=bdo, num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
     )
     _ws_dc_kernel[(nv, triton.cdiv(D, bdo))](
-        ws, mask, e, perm if perm is not None else targets, dc, db if db is not None else dummy,
+        ws, mask, e, perm if perm is not None else targets, scale, dc, db if db is not None else dummy,
         N, D, v_lo, v_hi, ws.stride(0), mask.stride(0), e.stride(0), e.stride(1), dc.stride(0),
         HAS_BIAS=db is not None, SORTED=perm is not None, DOT_PRECISION=prec,
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_DO=bdo, num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
     )
+
+
+def ws_scale(coef_a, coef_b, coef_u=None):
+    """[1] fp32 power of two 2**-floor(log2(max |coefficient|)), clamped to 2**[-60, 60]; on device,
+    no host sync."""
+    parts = [coef_a.abs().amax(), coef_b.abs().amax()]
+    if coef_u is not None:
+        parts.append(coef_u.abs().amax())
+    top = torch.stack(parts).amax().float().clamp(2.0**-60, 2.0**60)
+    return torch.exp2(-torch.floor(torch.log2(top))).reshape(1)

@@ -9,6 +9,9 @@ from dataclasses import dataclass, replace
 import torch
 
 
+_MAY_BE_ZERO = ("bwd_filter_by_max", "bwd_workspace_bytes", "bwd_dense_gemm")
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Block sizes and launch settings for the forward and backward kernels.
@@ -18,7 +21,10 @@ class KernelConfig:
 
     bwd_workspace_bytes > 0 (the default) selects the workspace backward (kernels/backward_ws.py)
     for every Triton impl: the logit gradient of one vocabulary chunk is staged in a workspace of at
-    most that many bytes and summed into dE and dC by block-sparse GEMMs, with no atomics. 0 selects
+    most that many bytes and summed into dE and dC by GEMMs, with no atomics. With bwd_dense_gemm=1
+    (the default) those are the library's dense GEMMs (cuBLAS, fp32 accumulation) and no tile is
+    filtered, as skipping tiles would save nothing; bwd_dense_gemm=0 uses the Triton block-sparse
+    GEMMs, which skip the tiles the impl's gradient filter drops. bwd_workspace_bytes=0 selects
     the tile-wise backward (kernels/backward.py), which needs less memory (no workspace, and for
     "cce" no fp32 dE buffer over all tokens) but is 3-18x slower on an H200. There, bwd_v_chunks is
     how many launches the buffered modes (fp32 / fixed point) split the vocabulary into, so that
@@ -41,11 +47,12 @@ class KernelConfig:
     bwd_de_chunk_bytes: int = 8 << 20
     bwd_filter_by_max: int = 0
     bwd_workspace_bytes: int = 64 << 20
+    bwd_dense_gemm: int = 1
     ws_block_do: int = 128
 
     def __post_init__(self):
         for name, value in self.__dict__.items():
-            if not isinstance(value, int) or value < (0 if name in ("bwd_filter_by_max", "bwd_workspace_bytes") else 1):
+            if not isinstance(value, int) or value < (0 if name in _MAY_BE_ZERO else 1):
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
         for name in ("fwd_block_n", "fwd_block_v", "fwd_block_d", "bwd_block_n", "bwd_block_v", "bwd_block_d", "ws_block_do"):
             value = getattr(self, name)

@@ -12,15 +12,16 @@ For each row the kernel produces the statistics a log-sum-exp needs, never the l
     sumexp[n] = sum_v exp(z[n, v] - max[n])
     zt[n]    = z[n, target[n]]                        (0 where the target is not in this shard)
     zsum[n]  = sum_v z[n, v]                          (only for label smoothing)
-    colsum[v] += sum_n z[n, v]                        (only for vocabulary sorting)
+    colsum[v] += sum_n z[n, v]                        (only for vocabulary sorting; int64 fixed point)
 
 Grid: (cdiv(N, BLOCK_N), S). Program (i, s) owns rows [i*BLOCK_N, (i+1)*BLOCK_N) and the s-th
 contiguous slice of the vocabulary; it walks that slice in BLOCK_V steps, recomputing a
 [BLOCK_N, BLOCK_V] logit tile over D in BLOCK_D steps (fp32 accumulation on tensor cores) and folding
 it into an online max / rescaled sum. Each program writes its own partials to row s of [S, N]
 outputs; the caller combines the S partials (and, under tensor parallelism, the ranks) in plain
-PyTorch. No locks and no float atomics on the loss path, so the forward is deterministic. The only
-atomic is the optional fp32 column sum used to order the vocabulary, which affects speed, not values.
+PyTorch. No locks and no float atomics, so the forward is deterministic. The only atomic is the
+optional column sum that orders the vocabulary for the backward; it is summed in int64 fixed point
+(2**-16 units), so that order, and with it the backward's summation order, is reproducible too.
 
 Precision: products accumulate in fp32; all offsets are int64 because N*V and V*D pass 2**31.
 """
@@ -48,7 +49,7 @@ def _lse_forward_kernel(
     Sum_ptr,  # [S, N] fp32 out: per-split sum of exp(z - max)
     Zt_ptr,  # [S, N] fp32 out: target logit if the target falls in the split, else 0
     Zsum_ptr,  # [S, N] fp32 out: per-split sum of z (dummy unless NEED_ZSUM)
-    Colsum_ptr,  # [V] fp32 in/out, atomically accumulated (dummy unless NEED_COLSUM)
+    Colsum_ptr,  # [V] int64 in/out, 2**16 * column sum, atomically accumulated (dummy unless NEED_COLSUM)
     softcap,
     N,
     V,
@@ -117,7 +118,11 @@ def _lse_forward_kernel(
             zsum_run += tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1)
         if NEED_COLSUM:
             col = tl.sum(tl.where(mask_n[:, None] & mask_v[None, :], z, 0.0), axis=0)
-            tl.atomic_add(Colsum_ptr + offs_v, col, mask=mask_v)
+            # Fixed point: integer addition is associative, so the order the programs arrive in
+            # cannot change the sum. NaN counts as 0; the clamp (2**46 per tile) keeps 2**17 token blocks inside int64.
+            col = tl.where(col == col, col, 0.0)
+            col = tl.minimum(tl.maximum(col, -1.0e9), 1.0e9) * 65536.0
+            tl.atomic_add(Colsum_ptr + offs_v, col.to(tl.int64), mask=mask_v)
 
     out = pid_s * N + offs_n
     tl.store(Max_ptr + out, m_run, mask=mask_n)
@@ -152,7 +157,7 @@ def lse_forward(
 
     Returns:
         (max, sumexp, zt, zsum, colsum): max/sumexp/zt are [S, N] fp32 partials, zsum is [S, N]
-        or None, colsum is [V] fp32 or None.
+        or None, colsum is [V] int64 (2**16 units) or None.
     """
     N, D = e.shape
     V = c.shape[0]
@@ -169,7 +174,7 @@ def lse_forward(
     se = torch.empty((splits, N), **f32)
     zt = torch.empty((splits, N), **f32)
     zsum = torch.empty((splits, N), **f32) if need_zsum else None
-    colsum = torch.zeros((V,), **f32) if need_colsum else None
+    colsum = torch.zeros((V,), device=dev, dtype=torch.int64) if need_colsum else None
     if N == 0:
         return mx, se, zt, zsum, colsum
     dummy = mx

@@ -20,6 +20,7 @@ and dC / dbias stay local. This module never imports torch.distributed: parallel
 collectives.
 """
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -76,12 +77,19 @@ class LossConfig:
         return IMPL_TRAITS[self.impl]
 
     @property
+    def dense_backward(self) -> bool:
+        """The workspace backward with dense library GEMMs (the default on the Triton path): skipping
+        a tile saves nothing there, so nothing is filtered."""
+        k = self.kernel
+        return self.use_triton and k is not None and k.bwd_workspace_bytes > 0 and k.bwd_dense_gemm > 0
+
+    @property
     def filter_e(self) -> bool:
-        return self.filter_eps is not None and self.traits.filter_e
+        return self.filter_eps is not None and self.traits.filter_e and not self.dense_backward
 
     @property
     def filter_c(self) -> bool:
-        return self.filter_eps is not None and self.traits.filter_c
+        return self.filter_eps is not None and self.traits.filter_c and not self.dense_backward
 
     @property
     def sort_vocab(self) -> bool:
@@ -135,7 +143,7 @@ def local_stats(e, c, bias, targets, cfg: LossConfig):
         e, c, bias, targets, cfg.softcap, need_zsum=need_zsum, need_colsum=cfg.sort_vocab, config=cfg.kernel
     )
     # Most probable vocabulary rows first, so the tiles that survive filtering are dense.
-    perm = torch.argsort(colsum, descending=True) if colsum is not None else None
+    perm = torch.argsort(colsum, descending=True, stable=True) if colsum is not None else None
     return (*_combine(mx, se, zt, zsum, SINGLE, dim=0), perm)
 
 
@@ -387,13 +395,60 @@ def _workspace_backward(e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, fil
     de = torch.zeros((n, d), device=e.device, dtype=torch.float32)
     dc = torch.empty_like(c)
     db = torch.empty(v, device=c.device, dtype=torch.float32) if bias is not None else None
+    # Only fp16 needs the workspace scaled (its range); 1 elsewhere, so the GEMMs need no rescale.
+    scale = kernels.ws_scale(a, b, u_in) if e.dtype == torch.float16 else None
+    one = torch.ones(1, device=e.device, dtype=torch.float32) if scale is None else scale
     for lo in range(0, v, vc):
-        kernels.cce_backward_ws(
-            e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, de, dc, db, ws, mask,
-            softcap=cfg.softcap, v_lo=lo, v_hi=min(v, lo + vc), filter_e=filter_e, filter_c=filter_c, config=kcfg,
-        )
+        hi = min(v, lo + vc)
+        if cfg.dense_backward:
+            # Only the logit gradient is a Triton kernel; the two products are dense library GEMMs.
+            kernels.cce_dlogits_ws(
+                e, c, bias, targets, lse, a, b, u_in, one, ws, mask, softcap=cfg.softcap, v_lo=lo, v_hi=hi,
+                config=kcfg,
+            )
+            _dense_products(ws[:, : hi - lo], e, c[lo:hi], scale, de, dc[lo:hi], db[lo:hi] if db is not None else None)
+        else:
+            kernels.cce_backward_ws(
+                e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, one, de, dc, db, ws, mask,
+                softcap=cfg.softcap, v_lo=lo, v_hi=hi, filter_e=filter_e, filter_c=filter_c, config=kcfg,
+            )
     del ws, mask
     return finish(de, slice(None)), dc, db
+
+
+def _dense_products(ws, e, c_rows, scale, de, dc_rows, db_rows):
+    """The chunk's two products with dense library GEMMs; ws [N, rows] holds dz (times `scale`, a
+    power of two, for fp16 inputs; None means 1).
+
+    de [N, D] fp32 += ws @ c_rows, accumulated in fp32; dc_rows = ws^T @ e, summed over all N tokens
+    in one GEMM (fp32 accumulation) and rounded once; db_rows = sum_n ws in fp32.
+    """
+    if scale is None and ws.dtype != torch.float32 and _fp32_out_addmm(ws.device):
+        torch.addmm(de, ws, c_rows, out_dtype=torch.float32, out=de)
+    elif ws.dtype == torch.float32:
+        de.addmm_(ws, c_rows)  # fp32 inputs are never scaled
+    else:
+        part = torch.mm(ws, c_rows, out_dtype=torch.float32)
+        de.add_(part / scale if scale is not None else part)
+    if scale is None:
+        torch.mm(ws.t(), e, out=dc_rows)
+    else:
+        dc_rows.copy_(torch.mm(ws.t(), e, out_dtype=torch.float32) / scale)
+    if db_rows is not None:
+        col = ws.sum(dim=0, dtype=torch.float32)
+        db_rows.copy_(col / scale if scale is not None else col)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_out_addmm(device) -> bool:
+    """Whether torch.addmm takes bf16/fp16 operands with an fp32 accumulator in place (out_dtype)."""
+    try:
+        acc = torch.zeros((2, 2), device=device, dtype=torch.float32)
+        x = torch.ones((2, 2), device=device, dtype=torch.bfloat16)
+        torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
+        return bool(acc[0, 0].item() == 2.0)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def torch_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, comm=SINGLE, reduce_de=True):

@@ -11,6 +11,7 @@ the filtering impls skip blocks whose probabilities are all below filter_eps ("a
 in fp32), which costs at most ~V * 2**-28 of the probability mass, so 1e-4 is ample.
 """
 
+import math
 import dataclasses
 import itertools
 import os
@@ -356,39 +357,55 @@ def test_public_api():
     }
 
 
-# The default backward is the workspace one (kernels/backward_ws.py; the interpreter's 6000-byte
-# workspace gives several vocabulary chunks here). bwd_workspace_bytes = 0 selects the tile-wise
-# backward (kernels/backward.py), the low-memory path: the same checks run through it.
+# The default backward is the workspace one with dense GEMMs (no filtering; the interpreter's
+# 6000-byte workspace gives several vocabulary chunks here). Two other backwards stay selectable and
+# run the same checks: the workspace one with Triton block-sparse GEMMs (bwd_dense_gemm=0, filtered)
+# and the tile-wise, low-memory one (bwd_workspace_bytes=0, kernels/backward.py).
 TRITON_IMPLS = tuple(i for i in IMPLS if i != "torch")
+OTHER_BACKWARDS = {"blocksparse": '{"bwd_dense_gemm": 0}', "tilewise": '{"bwd_workspace_bytes": 0}'}
 
 
-@pytest.fixture
-def tilewise(monkeypatch):
-    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", '{"bwd_workspace_bytes": 0}')
+@pytest.fixture(params=sorted(OTHER_BACKWARDS))
+def other_backward(request, monkeypatch):
+    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", OTHER_BACKWARDS[request.param])
+    return request.param
 
 
-def test_default_backward_is_the_workspace_one():
+def test_default_backward_is_the_dense_workspace_one():
     from cce_parallel.kernels.config import INTERPRETER_CONFIG, KernelConfig
 
-    assert KernelConfig().bwd_workspace_bytes > 0 and INTERPRETER_CONFIG.bwd_workspace_bytes > 0
+    for cfg in (KernelConfig(), INTERPRETER_CONFIG):
+        assert cfg.bwd_workspace_bytes > 0 and cfg.bwd_dense_gemm == 1
 
 
 @pytest.mark.parametrize("case", ["bias-softcap-none", "everything-3d", "many-tokens", "all-ignored-mean"])
 @pytest.mark.parametrize("impl", TRITON_IMPLS)
-def test_tilewise_backward_matches_oracle(impl, case, device, tilewise):
+def test_other_backwards_match_oracle(impl, case, device, other_backward):
     check_case(CASES[case], impl, device)
 
 
 @pytest.mark.parametrize("impl", TRITON_IMPLS)
-def test_tilewise_backward_peaked_filtering(impl, device, tilewise):
+def test_other_backwards_peaked_filtering(impl, device, other_backward):
     inputs = peaked_inputs((64,), V, D, device=device, **PEAKED)
     options = {"impl": impl, "filter_eps": 2.0**-12, "reduction": "none", "return_lse": True}
     grad_loss, grad_lse = upstream(inputs["targets"], "none", True)
     check_against_oracle(
         linear_cross_entropy, inputs, options, 1e-3, grad_loss=grad_loss, grad_lse=grad_lse,
-        label=f"{impl}/tilewise/peaked",
+        label=f"{impl}/{other_backward}/peaked",
     )
 
 
-def test_tilewise_exact_is_deterministic(device, tilewise):
+def test_other_backwards_exact_is_deterministic(device, other_backward):
     test_exact_is_deterministic(device)
+
+
+@pytest.mark.parametrize("top", [3.0e-9, 1.0 / 8192, 0.75, 1.0, 5.0e3])
+def test_workspace_scale_is_a_power_of_two_bringing_the_largest_coefficient_near_one(top):
+    from cce_parallel.kernels import ws_scale
+
+    a = torch.tensor([top / 3, -top, 0.0])
+    b = torch.tensor([top / 2, 0.0, top / 7])
+    scale = ws_scale(a, b).item()
+    mantissa, _ = math.frexp(scale)
+    assert mantissa == 0.5, f"scale {scale} is not a power of two"
+    assert 1.0 <= top * scale < 2.0
