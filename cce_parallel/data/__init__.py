@@ -1,1 +1,34 @@
-"""Placeholder: see the open issues."""
+"""Pretraining data: tokenizers, dataset preparation (.bin/.idx) and megatron-core GPT datasets.
+
+    python -m cce_parallel.data.prepare --source stdlib --out data/stdlib --vocab-size 4096
+
+Importing this package needs neither megatron-core nor ``tokenizers``; the functions that use
+them import them and say what to install when they are missing. Names are resolved on first
+use, so that ``python -m cce_parallel.data.prepare`` does not import its module twice.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "DatasetInfo": "prepare",
+    "load_dataset_info": "prepare",
+    "prepare_dataset": "prepare",
+    "split_documents": "prepare",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "train_bpe": "tokenizer",
+    "build_gpt_datasets": "megatron_data",
+    "gpt_dataset_config": "megatron_data",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
