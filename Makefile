@@ -4,7 +4,7 @@ PY ?= python3
 .PHONY: setup demo test test-gpu
 
 setup:
-	$(PY) -m pip install -q torch==2.13.0 triton numpy pytest pyyaml
+	$(PY) -m pip install -q torch==2.13.0 triton numpy pytest pyyaml megatron-core==0.16.1 tokenizers
 	$(PY) -m pip install -q --no-deps -e .
 
 # The main job (until the recipes land): a tiny LM head trained with CCE, offline, on CPU.
