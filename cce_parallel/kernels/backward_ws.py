@@ -279,18 +279,6 @@ def _ws_dc_kernel(
             tl.store(DB_ptr + rows, colsum, mask=mask_v)
 
 
-def cce_dlogits_ws(
-    e, c, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, mask, *, softcap, v_lo, v_hi, config,
-):
-    """Launch 1 alone, unfiltered: ws[:, :v_hi - v_lo] = scale * dz for the chunk [v_lo, v_hi), every
-    tile written (for callers that do the two products with dense GEMMs). Arguments as cce_backward_ws."""
-    _check_scale(scale)
-    if e.shape[0] == 0 or v_hi <= v_lo:
-        return
-    _launch_dlogits(e, c, bias, targets, lse, coef_a, coef_b, coef_u, None, None, scale, ws, mask, softcap,
-                    v_lo, v_hi, False, False, config)
-
-
 def _check_scale(scale):
     if scale.dtype != torch.float32 or scale.numel() != 1:
         raise ValueError("scale must be a one-element fp32 tensor")

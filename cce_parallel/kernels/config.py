@@ -9,21 +9,26 @@ from dataclasses import dataclass, replace
 import torch
 
 
-_MAY_BE_ZERO = ("bwd_filter_by_max", "bwd_workspace_bytes", "bwd_dense_gemm")
+_MAY_BE_ZERO = ("bwd_filter_by_max", "bwd_workspace_bytes", "bwd_dense_gemm", "fwd_dense_gemm")
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Block sizes and launch settings for the forward and backward kernels.
 
-    fwd_programs is the number of programs the forward aims for; it sets how many vocabulary
-    splits each token block gets.
+    fwd_dense_gemm=1 (the default) computes the forward's logits one vocabulary chunk at a time
+    with a library GEMM into an fp32 buffer of at most fwd_chunk_bytes (at least N x fwd_block_v
+    floats), which one Triton pass folds into the log-sum-exp statistics (kernels/from_logits.py).
+    fwd_dense_gemm=0 runs the fused Triton forward (kernels/lse_forward.py), which needs no buffer;
+    fwd_programs is the number of programs it aims for (it sets how many vocabulary splits each
+    token block gets).
 
     bwd_workspace_bytes > 0 (the default) selects the workspace backward (kernels/backward_ws.py)
     for every Triton impl: the logit gradient of one vocabulary chunk is staged in a workspace of at
     most that many bytes and summed into dE and dC by GEMMs, with no atomics. With bwd_dense_gemm=1
-    (the default) those are the library's dense GEMMs (cuBLAS, fp32 accumulation) and no tile is
-    filtered, as skipping tiles would save nothing; bwd_dense_gemm=0 uses the Triton block-sparse
+    (the default) those are the library's dense GEMMs (cuBLAS, fp32 accumulation), the logits are
+    recomputed the same way as the dense forward's (the budget then holds the fp32 logits and the
+    logit gradient of a chunk), and no tile is filtered, as skipping tiles would save nothing; bwd_dense_gemm=0 uses the Triton block-sparse
     GEMMs, which skip the tiles the impl's gradient filter drops. bwd_workspace_bytes=0 selects
     the tile-wise backward (kernels/backward.py), which needs less memory (no workspace, and for
     "cce" no fp32 dE buffer over all tokens) but is 3-18x slower on an H200. There, bwd_v_chunks is
@@ -37,6 +42,8 @@ class KernelConfig:
     fwd_num_warps: int = 8
     fwd_num_stages: int = 3
     fwd_programs: int = 528
+    fwd_dense_gemm: int = 1
+    fwd_chunk_bytes: int = 64 << 20
     bwd_block_n: int = 128
     bwd_block_v: int = 128
     bwd_block_d: int = 64
@@ -65,7 +72,7 @@ class KernelConfig:
 INTERPRETER_CONFIG = KernelConfig(
     fwd_block_n=16, fwd_block_v=64, fwd_block_d=32, fwd_programs=8, fwd_num_warps=4, fwd_num_stages=1,
     bwd_block_n=16, bwd_block_v=64, bwd_block_d=32, bwd_group_n=2, bwd_num_warps=4, bwd_num_stages=1,
-    bwd_v_chunks=3, bwd_de_chunk_bytes=4096, bwd_workspace_bytes=6000, ws_block_do=32,
+    bwd_v_chunks=3, bwd_de_chunk_bytes=4096, bwd_workspace_bytes=6000, ws_block_do=32, fwd_chunk_bytes=6000,
 )
 
 

@@ -139,12 +139,56 @@ def local_stats(e, c, bias, targets, cfg: LossConfig):
         return (*reference.forward_stats(e, c, bias, targets, cfg.softcap, need_zsum=need_zsum), None)
     from cce_parallel import kernels
 
+    if cfg.kernel.fwd_dense_gemm and not cfg.sort_vocab:
+        return (*_combine(*_dense_stats(e, c, bias, targets, need_zsum, cfg), SINGLE, dim=0), None)
     mx, se, zt, zsum, colsum = kernels.lse_forward(
         e, c, bias, targets, cfg.softcap, need_zsum=need_zsum, need_colsum=cfg.sort_vocab, config=cfg.kernel
     )
     # Most probable vocabulary rows first, so the tiles that survive filtering are dense.
     perm = torch.argsort(colsum, descending=True, stable=True) if colsum is not None else None
     return (*_combine(mx, se, zt, zsum, SINGLE, dim=0), perm)
+
+
+def logit_chunk(n: int, v: int, budget: int, bytes_per_logit: int, block_v: int) -> int:
+    """Vocabulary columns per chunk: a multiple of block_v whose n x chunk logits fit the budget
+    (at least block_v, at most v rounded up)."""
+    vc = max(block_v, budget // (max(n, 1) * bytes_per_logit) // block_v * block_v)
+    return min(vc, -(-v // block_v) * block_v)
+
+
+def logits_into(out, e, c_rows):
+    """out [N, rows] fp32 = e @ c_rows^T, accumulated in fp32 by the library GEMM."""
+    if e.dtype == torch.float32:
+        torch.mm(e, c_rows.t(), out=out)
+    else:
+        torch.mm(e, c_rows.t(), out_dtype=torch.float32, out=out)
+
+
+def _dense_stats(e, c, bias, targets, need_zsum, cfg):
+    """The forward's [S, N] partials from fp32 logit chunks (kernels/from_logits.py)."""
+    from cce_parallel import kernels
+
+    kcfg = cfg.kernel
+    n, v = e.shape[0], c.shape[0]
+    vc = logit_chunk(n, v, kcfg.fwd_chunk_bytes, 4, kcfg.fwd_block_v)
+    splits = max(1, -(-v // vc))
+    f32 = dict(device=e.device, dtype=torch.float32)
+    mx, se, zt = (torch.empty((splits, n), **f32) for _ in range(3))
+    zsum = torch.empty((splits, n), **f32) if need_zsum else None
+    if n == 0 or v == 0:
+        mx.fill_(float("-inf")), se.zero_(), zt.zero_()
+        if zsum is not None:
+            zsum.zero_()
+        return mx, se, zt, zsum
+    x = torch.empty((n, vc), **f32)
+    for split, lo in enumerate(range(0, v, vc)):
+        hi = min(v, lo + vc)
+        xs = x[:, : hi - lo]
+        logits_into(xs, e, c[lo:hi])
+        kernels.stats_from_logits(
+            xs, bias, targets, cfg.softcap, mx, se, zt, zsum, split=split, v_lo=lo, v_hi=hi, config=kcfg
+        )
+    return mx, se, zt, zsum
 
 
 def _combine(mx, se, zt, zsum, comm, dim=None):
@@ -388,10 +432,12 @@ def _workspace_backward(e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, fil
     n, d = e.shape
     v = c.shape[0]
     bn, bv = kcfg.bwd_block_n, kcfg.bwd_block_v
-    vc = max(bv, kcfg.bwd_workspace_bytes // (n * e.element_size()) // bv * bv)
-    vc = min(vc, -(-v // bv) * bv)
+    dense = cfg.dense_backward
+    # Dense: the budget holds a chunk's fp32 logits and its logit gradient.
+    vc = logit_chunk(n, v, kcfg.bwd_workspace_bytes, e.element_size() + (4 if dense else 0), bv)
     ws = torch.empty((n, vc), device=e.device, dtype=e.dtype)
-    mask = torch.empty((-(-n // bn), vc // bv), device=e.device, dtype=torch.int8)
+    x = torch.empty((n, vc), device=e.device, dtype=torch.float32) if dense else None
+    mask = None if dense else torch.empty((-(-n // bn), vc // bv), device=e.device, dtype=torch.int8)
     de = torch.zeros((n, d), device=e.device, dtype=torch.float32)
     dc = torch.empty_like(c)
     db = torch.empty(v, device=c.device, dtype=torch.float32) if bias is not None else None
@@ -400,10 +446,12 @@ def _workspace_backward(e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, fil
     one = torch.ones(1, device=e.device, dtype=torch.float32) if scale is None else scale
     for lo in range(0, v, vc):
         hi = min(v, lo + vc)
-        if cfg.dense_backward:
-            # Only the logit gradient is a Triton kernel; the two products are dense library GEMMs.
-            kernels.cce_dlogits_ws(
-                e, c, bias, targets, lse, a, b, u_in, one, ws, mask, softcap=cfg.softcap, v_lo=lo, v_hi=hi,
+        if dense:
+            # Three library GEMMs (logits, dE, dC) around one Triton pass that turns the fp32
+            # logits into the logit gradient.
+            logits_into(x[:, : hi - lo], e, c[lo:hi])
+            kernels.dz_from_logits(
+                x[:, : hi - lo], bias, targets, lse, a, b, u_in, one, ws, softcap=cfg.softcap, v_lo=lo, v_hi=hi,
                 config=kcfg,
             )
             _dense_products(ws[:, : hi - lo], e, c[lo:hi], scale, de, dc[lo:hi], db[lo:hi] if db is not None else None)
@@ -412,7 +460,7 @@ def _workspace_backward(e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, fil
                 e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, one, de, dc, db, ws, mask,
                 softcap=cfg.softcap, v_lo=lo, v_hi=hi, filter_e=filter_e, filter_c=filter_c, config=kcfg,
             )
-    del ws, mask
+    del ws, mask, x
     return finish(de, slice(None)), dc, db
 
 

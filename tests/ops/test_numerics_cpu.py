@@ -357,12 +357,17 @@ def test_public_api():
     }
 
 
-# The default backward is the workspace one with dense GEMMs (no filtering; the interpreter's
-# 6000-byte workspace gives several vocabulary chunks here). Two other backwards stay selectable and
-# run the same checks: the workspace one with Triton block-sparse GEMMs (bwd_dense_gemm=0, filtered)
-# and the tile-wise, low-memory one (bwd_workspace_bytes=0, kernels/backward.py).
+# The default path: fp32 logit chunks from library GEMMs in the forward, and the workspace backward
+# with dense GEMMs (no filtering; the interpreter's 6000-byte budgets give several vocabulary chunks
+# here). The other paths stay selectable and run the same checks: the workspace backward with Triton
+# block-sparse GEMMs (bwd_dense_gemm=0, filtered), the tile-wise, low-memory backward
+# (bwd_workspace_bytes=0, kernels/backward.py), and the fused Triton forward (fwd_dense_gemm=0).
 TRITON_IMPLS = tuple(i for i in IMPLS if i != "torch")
-OTHER_BACKWARDS = {"blocksparse": '{"bwd_dense_gemm": 0}', "tilewise": '{"bwd_workspace_bytes": 0}'}
+OTHER_BACKWARDS = {
+    "blocksparse": '{"bwd_dense_gemm": 0}',
+    "tilewise": '{"bwd_workspace_bytes": 0}',
+    "fused-forward": '{"fwd_dense_gemm": 0}',
+}
 
 
 @pytest.fixture(params=sorted(OTHER_BACKWARDS))
@@ -375,7 +380,7 @@ def test_default_backward_is_the_dense_workspace_one():
     from cce_parallel.kernels.config import INTERPRETER_CONFIG, KernelConfig
 
     for cfg in (KernelConfig(), INTERPRETER_CONFIG):
-        assert cfg.bwd_workspace_bytes > 0 and cfg.bwd_dense_gemm == 1
+        assert cfg.bwd_workspace_bytes > 0 and cfg.bwd_dense_gemm == 1 and cfg.fwd_dense_gemm == 1
 
 
 @pytest.mark.parametrize("case", ["bias-softcap-none", "everything-3d", "many-tokens", "all-ignored-mean"])
