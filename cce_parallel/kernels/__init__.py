@@ -2,7 +2,7 @@
 
 from cce_parallel.kernels.backward import cce_backward
 from cce_parallel.kernels.backward_ws import cce_backward_ws, ws_scale
-from cce_parallel.kernels.from_logits import dz_from_logits, stats_from_logits
+from cce_parallel.kernels.from_logits import dz_from_logits, stats_from_logits, stats_slices
 from cce_parallel.kernels.config import KernelConfig, default_config
 from cce_parallel.kernels.lse_forward import lse_forward
 
@@ -14,5 +14,6 @@ __all__ = [
     "dz_from_logits",
     "lse_forward",
     "stats_from_logits",
+    "stats_slices",
     "ws_scale",
 ]

@@ -40,6 +40,7 @@ def _stats_from_logits_kernel(
     N,
     v_lo,
     v_hi,
+    cols_per_prog,
     stride_xn,
     stride_s,
     HAS_BIAS: tl.constexpr,
@@ -49,6 +50,7 @@ def _stats_from_logits_kernel(
     BLOCK_V: tl.constexpr,
 ):
     pid_n = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1).to(tl.int64)  # which slice of the chunk's columns
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
@@ -56,10 +58,12 @@ def _stats_from_logits_kernel(
     s_run = tl.zeros([BLOCK_N], tl.float32)
     zt_run = tl.zeros([BLOCK_N], tl.float32)
     zsum_run = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, v_hi - v_lo, BLOCK_V):
+    c_lo = pid_c * cols_per_prog
+    c_hi = tl.minimum(c_lo + cols_per_prog, v_hi - v_lo)
+    for k0 in range(c_lo, c_hi, BLOCK_V):
         local = k0 + tl.arange(0, BLOCK_V).to(tl.int64)
         rows = v_lo + local
-        mask_v = rows < v_hi
+        mask_v = local < c_hi
         m = mask_n[:, None] & mask_v[None, :]
         z = tl.load(X_ptr + offs_n[:, None] * stride_xn + local[None, :], mask=m, other=0.0)
         if HAS_BIAS:
@@ -75,7 +79,7 @@ def _stats_from_logits_kernel(
         zt_run += tl.sum(tl.where(rows[None, :] == tgt[:, None], z, 0.0), axis=1)
         if NEED_ZSUM:
             zsum_run += tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1)
-    out = split * stride_s + offs_n
+    out = (split + pid_c) * stride_s + offs_n
     tl.store(Max_ptr + out, m_run, mask=mask_n)
     tl.store(Sum_ptr + out, s_run, mask=mask_n)
     tl.store(Zt_ptr + out, zt_run, mask=mask_n)
@@ -133,9 +137,22 @@ def _dz_from_logits_kernel(
     tl.store(WS_ptr + offs_n[:, None] * stride_wn + local[None, :], dz.to(WS_ptr.dtype.element_ty), mask=m)
 
 
-def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, v_lo, v_hi, config):
+# The statistics pass is bound by reading the fp32 chunk: short row blocks give enough programs.
+STATS_BLOCK_N = 16
+STATS_BLOCK_V = 256
+
+
+def stats_slices(n: int, cols: int, programs: int) -> int:
+    """How many column slices (partial splits) a chunk of `cols` columns gets, so that the grid has
+    about `programs` programs when there are few row blocks."""
+    n_blocks = max(1, triton.cdiv(n, STATS_BLOCK_N))
+    return max(1, min(triton.cdiv(cols, STATS_BLOCK_V), triton.cdiv(programs, n_blocks)))
+
+
+def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, slices, v_lo, v_hi, config):
     """Fold the fp32 logit chunk x [N, >= v_hi - v_lo] (columns = rows v_lo..v_hi of the shard) into
-    row `split` of the [S, N] partials mx, se, zt and zsum (zsum may be None)."""
+    rows split .. split + slices - 1 of the [S, N] partials mx, se, zt and zsum (zsum may be None),
+    one row per slice of the chunk's columns."""
     N = x.shape[0]
     if N == 0 or v_hi <= v_lo:
         return
@@ -143,13 +160,18 @@ def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, v_l
         raise ValueError("x must be fp32 with unit column stride")
     if any(t is not None and (t.stride() != mx.stride() or t.shape != mx.shape) for t in (se, zt, zsum)):
         raise ValueError("mx, se, zt, zsum must share shape and strides")
-    bn, bv = config.fwd_block_n, config.fwd_block_v
+    if split + slices > mx.shape[0]:
+        raise ValueError(f"partials have {mx.shape[0]} rows, need {split + slices}")
+    bn = min(STATS_BLOCK_N, config.fwd_block_n)
+    bv = STATS_BLOCK_V if x.is_cuda else config.fwd_block_v
+    cols = v_hi - v_lo
+    per = triton.cdiv(triton.cdiv(cols, slices), bv) * bv
     dummy = mx
-    _stats_from_logits_kernel[(triton.cdiv(N, bn),)](
+    _stats_from_logits_kernel[(triton.cdiv(N, bn), slices)](
         x, bias if bias is not None else dummy, targets, mx, se, zt, zsum if zsum is not None else dummy,
-        float(softcap) if softcap is not None else 1.0, split, N, v_lo, v_hi, x.stride(0), mx.stride(0),
+        float(softcap) if softcap is not None else 1.0, split, N, v_lo, v_hi, per, x.stride(0), mx.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=zsum is not None,
-        BLOCK_N=bn, BLOCK_V=bv, num_warps=config.fwd_num_warps,
+        BLOCK_N=bn, BLOCK_V=bv, num_warps=4,
     )
 
 

@@ -171,22 +171,23 @@ def _dense_stats(e, c, bias, targets, need_zsum, cfg):
     kcfg = cfg.kernel
     n, v = e.shape[0], c.shape[0]
     vc = logit_chunk(n, v, kcfg.fwd_chunk_bytes, 4, kcfg.fwd_block_v)
-    splits = max(1, -(-v // vc))
+    slices = kernels.stats_slices(n, vc, kcfg.fwd_programs)
+    splits = max(1, -(-v // vc)) * slices
     f32 = dict(device=e.device, dtype=torch.float32)
-    mx, se, zt = (torch.empty((splits, n), **f32) for _ in range(3))
-    zsum = torch.empty((splits, n), **f32) if need_zsum else None
+    # Every launched slice writes its rows (an empty slice writes max -inf, sums 0).
+    mx = torch.full((splits, n), float("-inf"), **f32)
+    se, zt = torch.zeros((splits, n), **f32), torch.zeros((splits, n), **f32)
+    zsum = torch.zeros((splits, n), **f32) if need_zsum else None
     if n == 0 or v == 0:
-        mx.fill_(float("-inf")), se.zero_(), zt.zero_()
-        if zsum is not None:
-            zsum.zero_()
         return mx, se, zt, zsum
     x = torch.empty((n, vc), **f32)
-    for split, lo in enumerate(range(0, v, vc)):
+    for chunk, lo in enumerate(range(0, v, vc)):
         hi = min(v, lo + vc)
         xs = x[:, : hi - lo]
         logits_into(xs, e, c[lo:hi])
         kernels.stats_from_logits(
-            xs, bias, targets, cfg.softcap, mx, se, zt, zsum, split=split, v_lo=lo, v_hi=hi, config=kcfg
+            xs, bias, targets, cfg.softcap, mx, se, zt, zsum, split=chunk * slices, slices=slices, v_lo=lo,
+            v_hi=hi, config=kcfg,
         )
     return mx, se, zt, zsum
 
