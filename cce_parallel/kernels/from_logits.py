@@ -76,7 +76,9 @@ def _stats_from_logits_kernel(
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         s_run = s_run * tl.exp(m_run - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
         m_run = m_new
-        zt_run += tl.sum(tl.where(rows[None, :] == tgt[:, None], z, 0.0), axis=1)
+        # Columns past this slice's end belong to the next slice: they must not match the target.
+        is_t = (rows[None, :] == tgt[:, None]) & mask_v[None, :]
+        zt_run += tl.sum(tl.where(is_t, z, 0.0), axis=1)
         if NEED_ZSUM:
             zsum_run += tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1)
     out = (split + pid_c) * stride_s + offs_n
@@ -142,11 +144,20 @@ STATS_BLOCK_N = 16
 STATS_BLOCK_V = 256
 
 
-def stats_slices(n: int, cols: int, programs: int) -> int:
+def _stats_blocks(config, on_cuda: bool):
+    # Under the interpreter, small blocks; twice the chunk granularity (fwd_block_v), as on the GPU,
+    # so that a block can run past the end of a slice or chunk there too.
+    if on_cuda:
+        return min(STATS_BLOCK_N, config.fwd_block_n), STATS_BLOCK_V
+    return config.fwd_block_n, 2 * config.fwd_block_v
+
+
+def stats_slices(n: int, cols: int, config, on_cuda: bool) -> int:
     """How many column slices (partial splits) a chunk of `cols` columns gets, so that the grid has
-    about `programs` programs when there are few row blocks."""
-    n_blocks = max(1, triton.cdiv(n, STATS_BLOCK_N))
-    return max(1, min(triton.cdiv(cols, STATS_BLOCK_V), triton.cdiv(programs, n_blocks)))
+    about config.fwd_programs programs when there are few row blocks."""
+    bn, bv = _stats_blocks(config, on_cuda)
+    n_blocks = max(1, triton.cdiv(n, bn))
+    return max(1, min(triton.cdiv(cols, bv), triton.cdiv(config.fwd_programs, n_blocks)))
 
 
 def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, slices, v_lo, v_hi, config):
@@ -162,8 +173,7 @@ def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, sli
         raise ValueError("mx, se, zt, zsum must share shape and strides")
     if split + slices > mx.shape[0]:
         raise ValueError(f"partials have {mx.shape[0]} rows, need {split + slices}")
-    bn = min(STATS_BLOCK_N, config.fwd_block_n)
-    bv = STATS_BLOCK_V if x.is_cuda else config.fwd_block_v
+    bn, bv = _stats_blocks(config, x.is_cuda)
     cols = v_hi - v_lo
     per = triton.cdiv(triton.cdiv(cols, slices), bv) * bv
     dummy = mx

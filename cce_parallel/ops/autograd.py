@@ -171,7 +171,7 @@ def _dense_stats(e, c, bias, targets, need_zsum, cfg):
     kcfg = cfg.kernel
     n, v = e.shape[0], c.shape[0]
     vc = logit_chunk(n, v, kcfg.fwd_chunk_bytes, 4, kcfg.fwd_block_v)
-    slices = kernels.stats_slices(n, vc, kcfg.fwd_programs)
+    slices = kernels.stats_slices(n, vc, kcfg, e.is_cuda)
     splits = max(1, -(-v // vc)) * slices
     f32 = dict(device=e.device, dtype=torch.float32)
     # Every launched slice writes its rows (an empty slice writes max -inf, sums 0).

@@ -414,3 +414,20 @@ def test_workspace_scale_is_a_power_of_two_bringing_the_largest_coefficient_near
     mantissa, _ = math.frexp(scale)
     assert mantissa == 0.5, f"scale {scale} is not a power of two"
     assert 1.0 <= top * scale < 2.0
+
+
+@pytest.mark.parametrize("chunk_bytes", [6000, 40000])
+def test_dense_forward_chunks_and_slices_match_oracle(chunk_bytes, device, monkeypatch):
+    """The dense forward's fp32 logit chunks and their column slices (several partial splits per
+    chunk, targets and label smoothing inside every slice) against the float64 oracle."""
+    from cce_parallel.kernels import stats_slices
+    from cce_parallel.kernels.config import INTERPRETER_CONFIG
+    from cce_parallel.ops.autograd import logit_chunk
+
+    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", f'{{"fwd_chunk_bytes": {chunk_bytes}, "fwd_programs": 64}}')
+    case = CASES["everything-3d"]
+    n = math.prod(case.inputs(device)["targets"].shape)
+    vc = logit_chunk(n, V, chunk_bytes, 4, INTERPRETER_CONFIG.fwd_block_v)
+    if chunk_bytes > 6000:
+        assert stats_slices(n, vc, dataclasses.replace(INTERPRETER_CONFIG, fwd_programs=64), False) > 1
+    check_case(case, "cce", device)
