@@ -1,0 +1,117 @@
+"""SDPAttention: a megatron-core core attention on torch's scaled_dot_product_attention.
+
+Shapes (Megatron's layout, this rank's heads under tensor parallelism):
+    query  [sq, b, np, hn]     np = num_attention_heads / tp
+    key    [sk, b, ng, hn]     ng = num_query_groups / tp (grouped-query attention when ng < np)
+    value  [sk, b, ng, hn]
+    attention_mask  None, or bool [b or 1, 1, sq, sk] with True = masked out (Megatron's convention)
+    returns [sq, b, np * hn]
+
+It runs wherever SDPA runs: on CPU (the math kernel), and on GPUs through the flash or
+memory-efficient kernels, with no Transformer Engine and no apex. megatron-core's own local
+``DotProductAttention`` builds the [b, np, sq, sk] score matrix and its causal mask on CUDA only.
+
+Masking follows ``DotProductAttention``: an explicit mask wins; without one, ``AttnMaskType.causal``
+means a causal mask, anything else no mask. The softmax scale is ``config.softmax_scale`` or
+1/sqrt(hn) (``apply_query_key_layer_scaling`` only rescales inside Megatron's fp16 softmax and
+cancels out, so it is ignored here). Attention dropout draws from the tensor-parallel RNG tracker
+(a different stream per TP rank, as Megatron does) when it is initialized.
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SDPAttention(MegatronModule):
+    """Core attention (the part between the QKV and output projections) on SDPA.
+
+    Built by megatron-core from a layer spec (``SelfAttentionSubmodules.core_attention``) with
+    the keyword arguments below; see ``cce_parallel.megatron.local_gpt_layer_spec``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism (context_parallel_size > 1)")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(
+                f"SDPAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("SDPAttention does not support sliding-window attention (window_size)")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("SDPAttention does not support packed sequences (packed_seq_params)")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
+        sq, b, n_heads, head_dim = query.shape
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        # [s, b, heads, hn] -> [b, heads, s, hn]: the layout SDPA takes (a view, no copy).
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        attn_mask, is_causal = None, False
+        if attention_mask is not None:
+            attn_mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attend
+        elif mask_type == AttnMaskType.causal and sq > 1:
+            if sq != key.shape[0]:
+                raise ValueError(f"a causal mask needs sq == sk, got {sq} and {key.shape[0]}")
+            is_causal = True
+        dropout_p = self.dropout_p if self.training else 0.0
+        gqa = k.shape[1] != n_heads
+        if gqa:
+            # Grouped-query attention: repeat each key/value group over its query heads.
+            k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
+        with _dropout_rng(dropout_p, self.config.sequence_parallel, query.device):
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+            )
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * head_dim)
+
+
+def _dropout_rng(dropout_p: float, sequence_parallel: bool, device: torch.device):
+    """Megatron's model-parallel RNG stream for attention dropout (CUDA, tracker initialized)."""
+    if dropout_p == 0.0 or sequence_parallel or device.type != "cuda":
+        return contextlib.nullcontext()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if not getattr(tracker, "is_initialized", lambda: False)():
+        return contextlib.nullcontext()
+    return tracker.fork()

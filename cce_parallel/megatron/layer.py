@@ -1,0 +1,359 @@
+"""CCEOutputLayer: megatron-core's output layer (a ColumnParallelLinear) fused with the loss.
+
+Shapes (s: sequence, b: micro-batch, h: hidden, V: the padded vocabulary, tp: tensor-parallel size):
+    input_   [s, b, h], or [s/tp, b, h] with sequence parallelism (this rank's slice along s)
+    weight   [V/tp, h]: this rank's rows [r·V/tp, (r+1)·V/tp) of the output weight, Megatron's layout
+    labels   [b, s] integer ids in [0, V), as GPTModel gets them
+    returns  with labels: (loss [b, s] float32 per token, unreduced, None); the logits are never built.
+             without labels: ColumnParallelLinear's own (logits [s, b, V/tp] or gathered [s, b, V], bias).
+
+With labels the loss is ``cce_parallel.linear_cross_entropy(input_, weight, labels.T, reduction="none",
+tp_group=..., sequence_parallel=...)``: the same value as Megatron's ``ColumnParallelLinear`` followed
+by ``vocab_parallel_cross_entropy``, over the whole padded vocabulary as Megatron computes it (padding
+rows are trainable rows of the weight in Megatron, and their logits enter the softmax there too).
+∇input is summed over the tensor-parallel group (reduce-scattered under sequence parallelism), as
+the linear layer's all-reduce / reduce-scatter does; ∇weight is this rank's shard.
+
+∇weight follows Megatron's linear layers: with ``gradient_accumulation_fusion`` and a
+``weight.main_grad`` (Megatron DDP), it is added into ``main_grad`` in that buffer's dtype,
+``weight.grad_added_to_main_grad`` is set, and the weight gets a dummy gradient (zeros where
+Megatron asks for them with ``zero_out_wgrad``: a tied embedding on the same stage, whose lookup
+gradient DDP's hook still adds). Otherwise the weight gets its gradient, and DDP's hooks add it.
+"""
+
+import contextlib
+import dataclasses
+import math
+from numbers import Real
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
+
+from cce_parallel.ops import IMPLS
+from cce_parallel.parallel import linear_cross_entropy
+
+
+@dataclasses.dataclass(frozen=True)
+class CCEOptions:
+    """The loss options of a CCE output layer (see ``cce_parallel.linear_cross_entropy``)."""
+
+    impl: str = "cce_kahan_full_c"
+    """One of ``cce_parallel.IMPLS``; the paper's pretraining choice by default."""
+    softcap: float | None = None
+    """Soft-capping of the logits, ``softcap · tanh(logit / softcap)``; None: off."""
+    label_smoothing: float = 0.0
+    """In [0, 1), over the full (padded) vocabulary. Megatron's GPT loss has none."""
+    z_loss: float = 0.0
+    """Adds ``z_loss · lse²`` per token."""
+    ignore_index: int = -100
+    """Labels equal to it get zero loss and no gradient (Megatron masks with ``loss_mask`` instead)."""
+    filter_eps: str | float | None = "auto"
+    """Gradient-filter threshold of the filtering impls: "auto", a float in [0, 1), or None."""
+    make_vocab_size_divisible_by: int | None = None
+    """If set, the layer's (padded) vocabulary must be a multiple of it times tp, as Megatron-LM's
+    ``--make-vocab-size-divisible-by`` pads it; a layer whose vocabulary is not raises ValueError."""
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown impl {self.impl!r}; choose one of {', '.join(IMPLS)}")
+        if self.softcap is not None and (
+            not _is_real(self.softcap) or not math.isfinite(self.softcap) or self.softcap <= 0
+        ):
+            raise ValueError(f"softcap must be a finite positive number or None, got {self.softcap!r}")
+        if not _is_real(self.label_smoothing) or not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
+        if not _is_real(self.z_loss) or not math.isfinite(self.z_loss) or self.z_loss < 0:
+            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss!r}")
+        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        eps = self.filter_eps
+        if not (eps is None or eps == "auto" or (_is_real(eps) and 0.0 <= eps < 1.0)):
+            raise ValueError(f"filter_eps must be 'auto', a float in [0, 1) or None, got {eps!r}")
+        m = self.make_vocab_size_divisible_by
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"make_vocab_size_divisible_by must be a positive int or None, got {m!r}")
+
+    def loss_kwargs(self) -> dict:
+        return {
+            "impl": self.impl,
+            "softcap": self.softcap,
+            "label_smoothing": self.label_smoothing,
+            "z_loss": self.z_loss,
+            "ignore_index": self.ignore_index,
+            "filter_eps": self.filter_eps,
+        }
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
+    """The vocabulary Megatron-LM builds for ``vocab_size`` tokens: rounded up to a multiple of
+    ``make_vocab_size_divisible_by · tp`` (its ``_vocab_size_with_padding``)."""
+    multiple = make_vocab_size_divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_vocab_divisible(vocab_size: int, tp: int, make_vocab_size_divisible_by: int | None = None):
+    """Raise ValueError unless the (padded) vocabulary splits as the config says."""
+    multiple = tp * (make_vocab_size_divisible_by or 1)
+    if vocab_size % multiple:
+        what = f"tensor_model_parallel_size={tp}"
+        if make_vocab_size_divisible_by:
+            what = f"make_vocab_size_divisible_by={make_vocab_size_divisible_by} × {what}"
+        raise ValueError(
+            f"vocabulary size {vocab_size} is not divisible by {multiple} ({what}); pad it to "
+            f"{padded_vocab_size(vocab_size, make_vocab_size_divisible_by or 1, tp)} rows, as Megatron-LM's "
+            "--make-vocab-size-divisible-by does (the extra rows are ordinary, trainable rows)"
+        )
+
+
+class _AccumulateIntoMainGrad(torch.autograd.Function):
+    """Identity on the weight whose backward adds ∇W into ``weight.main_grad`` (Megatron's
+    gradient-accumulation fusion) and returns a dummy gradient, as Megatron's linear layers do."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, main_grad: torch.Tensor):
+        # As in LinearWithGradAccumulationAndAsyncCommunication: main_grad is held on ctx, not
+        # saved, so later in-place updates of the buffer trip no version check.
+        ctx.weight_param = weight
+        ctx.main_grad = main_grad
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad_weight: torch.Tensor):
+        weight, main_grad = ctx.weight_param, ctx.main_grad
+        if hasattr(weight, "__fsdp_param__"):
+            # Megatron-FSDP hands out a fresh main-grad buffer per step (as Megatron's linear does).
+            weight.main_grad = weight.get_main_grad()
+            weight.main_grad.copy_(grad_weight)
+        else:
+            weight.main_grad = main_grad
+            main_grad.add_(grad_weight)  # in main_grad's dtype (fp32 usually)
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None, None
+        # DDP's hook must still run on this thread (overlap_grad_reduce), so the weight gets a
+        # gradient; zeros where the hook adds it (a tied embedding on the same stage).
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        dummy = make(main_grad.shape, dtype=grad_weight.dtype, device=grad_weight.device)
+        weight.grad_added_to_main_grad = True
+        return dummy, None
+
+
+class CCEOutputLayer(ColumnParallelLinear):
+    """A ColumnParallelLinear that, given labels, returns the per-token CCE loss instead of logits.
+
+    Construct it like ``ColumnParallelLinear`` (plus ``cce_options``), or convert an existing
+    output layer in place with ``CCEOutputLayer.convert(layer, options)``; ``use_cce`` does that
+    for a GPTModel. Parameters, their tensor-parallel attributes (``tensor_model_parallel``,
+    ``partition_dim``, ``partition_stride``, ``allreduce``, ...) and the state dict are
+    ColumnParallelLinear's, unchanged.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, cce_options: CCEOptions | None = None, **kwargs):
+        options = cce_options or CCEOptions()
+        tp_group = get_tensor_model_parallel_group_if_none(
+            kwargs.get("tp_group"), is_expert=kwargs.get("is_expert", False)
+        )
+        check_vocab_divisible(output_size, get_pg_size(tp_group), options.make_vocab_size_divisible_by)
+        super().__init__(input_size, output_size, **kwargs)
+        self._setup_cce(options)
+
+    @classmethod
+    def convert(cls, layer: ColumnParallelLinear, options: CCEOptions | None = None) -> "CCEOutputLayer":
+        """Turn `layer` into a CCE output layer in place (its class changes; its parameters,
+        attributes and any hooks stay) and return it. Converting again only replaces the options."""
+        if not isinstance(layer, ColumnParallelLinear):
+            raise TypeError(
+                f"expected megatron-core's ColumnParallelLinear output layer, got {type(layer).__name__}"
+            )
+        options = options or CCEOptions()
+        if getattr(layer, "is_expert", False):
+            raise ValueError("an expert-parallel ColumnParallelLinear cannot be a CCE output layer")
+        check_vocab_divisible(
+            layer.output_size, get_pg_size(layer.tp_group), options.make_vocab_size_divisible_by
+        )
+        if not isinstance(layer, CCEOutputLayer):
+            layer.__class__ = _cce_class(type(layer))
+        layer._setup_cce(options)
+        return layer
+
+    def _setup_cce(self, options: CCEOptions):
+        if not isinstance(options, CCEOptions):
+            raise TypeError(f"cce_options must be a CCEOptions, got {type(options).__name__}")
+        if self.config.defer_embedding_wgrad_compute:
+            raise ValueError(
+                "defer_embedding_wgrad_compute defers the output layer's weight-gradient GEMM; CCE computes "
+                "that gradient inside its kernels. Turn the option off to use a CCE output layer"
+            )
+        self.cce_options = options
+        self._cce_pending_labels = None  # labels routed here by GPTModel._postprocess (see use_cce)
+        self._cce_last_loss = None
+
+    # -----------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+        labels: torch.Tensor | None = None,
+    ):
+        """With labels (or labels routed by ``use_cce``): (loss [b, s] fp32, None). Without:
+        ColumnParallelLinear's (logits, bias), honouring ``weight`` and ``runtime_gather_output``."""
+        routed = labels is None and self._cce_pending_labels is not None
+        if routed:
+            labels, self._cce_pending_labels = self._cce_pending_labels, None
+        if labels is None:
+            return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        loss = self.per_token_loss(input_, labels, weight)
+        if routed:
+            self._cce_last_loss = loss
+        return loss, None
+
+    def per_token_loss(self, input_: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None):
+        """loss [b, s] fp32 for hidden states [s(/tp), b, h] and labels [b, s]; see the module doc.
+
+        Misuse raises ValueError / TypeError on every rank of the tensor-parallel group (the
+        others learn of it in the loss's first collective), never a hang.
+        """
+        tp = get_pg_size(self.tp_group)
+        group = self.tp_group if tp > 1 else None
+        sequence_parallel = bool(self.sequence_parallel) and tp > 1
+        try:
+            weight = self._resolve_weight(weight, tp)
+            self._check_labels(input_, labels, tp if sequence_parallel else 1)
+            if self.bias is not None and self.skip_bias_add:
+                raise ValueError(
+                    "skip_bias_add returns the bias for the caller to add; a fused loss cannot do that"
+                )
+        except (TypeError, ValueError) as err:
+            if group is not None:
+                _fail_on_every_rank(err, input_, group, sequence_parallel)
+            raise
+        if (
+            self.gradient_accumulation_fusion
+            and hasattr(weight, "main_grad")
+            and weight.requires_grad
+            and torch.is_grad_enabled()
+        ):
+            weight = _AccumulateIntoMainGrad.apply(weight, weight.main_grad)
+        # [b, s] -> [s, b]: a view of the labels; the hidden states are never copied.
+        loss = linear_cross_entropy(
+            input_,
+            weight,
+            labels.t(),
+            bias=self.bias,
+            reduction="none",
+            **self.cce_options.loss_kwargs(),
+            tp_group=group,
+            sequence_parallel=sequence_parallel,
+        )
+        # [s, b] -> [b, s], contiguous as Megatron's compute_language_model_loss returns it.
+        return loss.t().contiguous()
+
+    def _resolve_weight(self, weight, tp: int):
+        if weight is None:
+            if self.weight is None:
+                raise ValueError(
+                    "this output layer has no weight of its own (skip_weight_param_allocation: tied "
+                    "embeddings); pass weight= (the shared embedding weight)"
+                )
+            return self.weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        expected = (self.output_size_per_partition, self.input_size)
+        if tuple(weight.shape) != expected:
+            hint = ""
+            if tp > 1 and tuple(weight.shape) == (self.output_size, self.input_size):
+                hint = " (it looks like the full, unsharded weight)"
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)}{hint}, but this rank's shard of the "
+                f"[{self.output_size}, {self.input_size}] output weight is {expected} (tp={tp})"
+            )
+        if tp > 1 and (
+            getattr(weight, "tensor_model_parallel", True) is False
+            or getattr(weight, "partition_dim", 0) not in (0, -2)
+        ):
+            attrs = {k: getattr(weight, k, None) for k in ("tensor_model_parallel", "partition_dim")}
+            raise ValueError(
+                f"weight is not a vocabulary shard ({attrs}); pass this rank's rows of the output / "
+                "embedding weight, split along dim 0"
+            )
+        return weight
+
+    def _check_labels(self, input_, labels, sp: int):
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+        if input_.dim() != 3:
+            raise ValueError(f"hidden states must be [s, b, h], got shape {tuple(input_.shape)}")
+        s, b = input_.shape[0] * sp, input_.shape[1]
+        if tuple(labels.shape) != (b, s):
+            layout = (
+                f"[s/tp, b, h] = {tuple(input_.shape)} (sequence parallel, tp={sp})"
+                if sp > 1
+                else (f"[s, b, h] = {tuple(input_.shape)}")
+            )
+            hint = (
+                " (they look like [s, b]; Megatron's labels are [b, s])"
+                if tuple(labels.shape) == (s, b)
+                else ""
+            )
+            got = tuple(labels.shape)
+            raise ValueError(f"labels must be [b, s] = {(b, s)} for hidden states {layout}; got {got}{hint}")
+
+    @contextlib.contextmanager
+    def route_labels(self, labels: torch.Tensor):
+        """Within the block, the next call without labels computes the loss with these labels."""
+        self._cce_pending_labels = labels
+        self._cce_last_loss = None
+        try:
+            yield
+        finally:
+            self._cce_pending_labels = None
+            self._cce_last_loss = None
+
+    def is_routed_loss(self, tensor) -> bool:
+        """Whether `tensor` is the loss this layer returned in place of logits under route_labels."""
+        return tensor is not None and tensor is self._cce_last_loss
+
+    def __repr__(self):
+        return super().__repr__()[:-1] + f", impl={self.cce_options.impl})"
+
+
+def _fail_on_every_rank(err: Exception, input_, group, sequence_parallel: bool):
+    """Raise `err` here after telling the rest of `group`, which are inside the loss's first
+    collective (the layout check of ``linear_cross_entropy``), so that they raise too."""
+    e = (
+        input_
+        if isinstance(input_, torch.Tensor) and input_.is_floating_point() and input_.dim() > 0
+        else None
+    )
+    if e is None:
+        e = torch.zeros(1, 1)
+    # Targets of the wrong shape: rejected by the checks, reported to every rank, raised here.
+    bad_targets = torch.empty(0, dtype=torch.long, device=e.device)
+    try:
+        linear_cross_entropy(
+            e,
+            e.new_zeros(1, e.shape[-1]),
+            bad_targets,
+            reduction="none",
+            tp_group=group,
+            sequence_parallel=sequence_parallel and e.dim() > 1,
+        )
+    except (TypeError, ValueError) as reported:
+        raise err from reported
+    raise err
+
+
+_CLASSES = {ColumnParallelLinear: CCEOutputLayer}
+
+
+def _cce_class(cls: type) -> type:
+    """CCEOutputLayer, or a CCE subclass of a ColumnParallelLinear subclass (created once)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"CCE{cls.__name__}", (CCEOutputLayer, cls), {"__module__": __name__})
+    return _CLASSES[cls]

@@ -1,0 +1,116 @@
+"""A megatron-core GPT layer spec with no Transformer Engine and no apex that runs on CPU and GPUs.
+
+megatron-core's own local spec (``get_gpt_layer_local_spec``) falls short without apex: its
+``DotProductAttention`` builds the causal mask on CUDA only, and ``WrappedTorchNorm`` refuses
+sequence parallelism. This spec swaps in:
+
+- ``SDPAttention`` (attention.py) for the core attention;
+- ``LocalNorm``: torch's LayerNorm / RMSNorm (``config.normalization``) whose parameters carry
+  ``sequence_parallel = config.sequence_parallel``, the attribute Megatron's
+  ``finalize_model_grads`` reads to all-reduce their gradients over the tensor-parallel group
+  (each rank saw only its [s/tp, b, h] slice), as apex's ``FusedLayerNorm`` does.
+
+Everything else (column/row-parallel linears, MLP, bias-dropout-add) is megatron-core's own.
+The transformer block's final norm is not part of a layer spec; ``local_gpt_block_spec`` gives a
+block spec that includes it, which sequence parallelism needs.
+"""
+
+import dataclasses
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from cce_parallel.megatron.attention import SDPAttention
+
+try:  # apex's norm, where megatron-core found apex
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+except ImportError:  # pragma: no cover - megatron-core always has the module
+    FusedLayerNorm = None
+
+
+class LocalNorm:
+    """Builds torch's LayerNorm or RMSNorm (per ``config.normalization``) for a layer spec.
+
+    Called by megatron-core as ``LocalNorm(config=..., hidden_size=..., eps=...)``; returns a
+    plain ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` whose parameters are tagged
+    ``sequence_parallel`` so that Megatron all-reduces their gradients under sequence parallelism.
+    """
+
+    def __new__(
+        cls,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
+        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
+            raise ValueError("LocalNorm does not support layernorm_zero_centered_gamma")
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(
+                f"LocalNorm supports normalization LayerNorm or RMSNorm, got {config.normalization!r}"
+            )
+        # Like WrappedTorchNorm and apex's FusedLayerNorm: fp32 on the default device; the model's
+        # wrappers (.cuda(), Float16Module) move and cast it.
+        norm = kinds[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _replace_modules(spec, mapping: dict):
+    """Copy of a (nested) spec with every module class in `mapping` replaced by its value."""
+    if isinstance(spec, type):
+        return mapping.get(spec, spec)
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(
+            spec,
+            module=mapping.get(spec.module, spec.module) if isinstance(spec.module, type) else spec.module,
+            submodules=_replace_modules(spec.submodules, mapping),
+        )
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {
+            f.name: _replace_modules(getattr(spec, f.name), mapping)
+            for f in dataclasses.fields(spec)
+            if isinstance(getattr(spec, f.name), (type, ModuleSpec))
+            or dataclasses.is_dataclass(getattr(spec, f.name))
+        }
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def _local_modules() -> dict:
+    mapping = {DotProductAttention: SDPAttention, WrappedTorchNorm: LocalNorm}
+    if FusedLayerNorm is not None:
+        mapping[FusedLayerNorm] = LocalNorm
+    return mapping
+
+
+def local_gpt_layer_spec(**kwargs) -> ModuleSpec:
+    """megatron-core's ``get_gpt_layer_local_spec(**kwargs)`` with SDPAttention and LocalNorm.
+
+    kwargs go to ``get_gpt_layer_local_spec`` (e.g. ``qk_layernorm=True``, ``num_experts=8``).
+    Pass the result as GPTModel's ``transformer_layer_spec`` when sequence parallelism is off;
+    with it on, use ``local_gpt_block_spec`` (the final norm is part of the block, not the layer).
+    """
+    return _replace_modules(get_gpt_layer_local_spec(**kwargs), _local_modules())
+
+
+def local_gpt_block_spec(
+    config: TransformerConfig, *, vp_stage=None, pp_rank=None, **kwargs
+) -> TransformerBlockSubmodules:
+    """A transformer-block spec: this pipeline stage's layers (``local_gpt_layer_spec(**kwargs)``)
+    and a LocalNorm final norm. Pass it as GPTModel's ``transformer_layer_spec``.
+
+    vp_stage / pp_rank: as megatron-core's ``get_num_layers_to_build`` (default: this rank's stage).
+    """
+    layer = local_gpt_layer_spec(**kwargs)
+    n_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n_layers, layer_norm=LocalNorm)

@@ -1,0 +1,413 @@
+"""CCEOutputLayer on its own, in this process (no process group: tensor-parallel size 1), on CPU.
+
+- the loss [b, s] and ∇hidden, ∇weight, ∇bias against the float64 oracle (tests/oracle.py) for
+  every loss option, with hidden states [s, b, h] and labels [b, s];
+- Megatron's gradient-accumulation fusion: ∇W added into ``main_grad`` (fp32 or bf16),
+  ``grad_added_to_main_grad`` set, a dummy gradient returned (zeros with ``zero_out_wgrad``), and a
+  plain gradient when fusion is off or there is no ``main_grad``;
+- the loss runs inside the module's forward: a forward pre-hook that rewrites the weight (as
+  Megatron DDP's parameter all-gather does) is seen by the loss;
+- without labels the layer is ColumnParallelLinear (weight=, runtime_gather_output);
+- converting keeps the parameters, their tensor-parallel attributes and the state dict, and is
+  idempotent; misuse raises errors that name the problem;
+- SDPAttention against a float64 reference, LocalNorm's attributes, and ``import cce_parallel``
+  without megatron-core.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+from cce_parallel.megatron import CCEOptions, CCEOutputLayer, padded_vocab_size
+from tests.oracle import oracle, rel_err
+
+S, B, H, V = 7, 3, 24, 61  # odd sizes: masked loads in the kernels
+TOL = {"torch": 1e-5, "exact": 1e-5, "cce": 1e-4, "cce_kahan_full_c": 1e-4}
+
+
+def _config(**kwargs) -> ModelParallelConfig:
+    return ModelParallelConfig(use_cpu_initialization=True, params_dtype=torch.float32, **kwargs)
+
+
+def _init(w):
+    return torch.nn.init.normal_(w, std=0.3)
+
+
+def _layer(vocab=V, bias=False, options=None, **kwargs) -> CCEOutputLayer:
+    torch.manual_seed(3)
+    return CCEOutputLayer(
+        H, vocab, config=_config(), init_method=_init, bias=bias, cce_options=options, **kwargs
+    )
+
+
+def _inputs(vocab=V, ignore=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(S, B, H, generator=g)
+    labels = torch.randint(0, vocab, (B, S), generator=g)
+    if ignore:
+        labels[0, :3] = -100
+        labels[2, 5] = -100
+    return hidden, labels
+
+
+@pytest.mark.parametrize("impl", list(TOL))
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"softcap": 2.0},
+        {"label_smoothing": 0.1, "z_loss": 1e-3},
+        {"ignore": True},
+        {"bias": True, "softcap": 4.0},
+    ],
+    ids=["plain", "softcap", "smoothing+zloss", "ignore_index", "bias+softcap"],
+)
+def test_loss_and_grads_vs_oracle(impl, opts):
+    opts = dict(opts)
+    ignore, bias = opts.pop("ignore", False), opts.pop("bias", False)
+    layer = _layer(bias=bias, options=CCEOptions(impl=impl, **opts))
+    if bias:
+        with torch.no_grad():
+            layer.bias.normal_()
+    hidden, labels = _inputs(ignore=ignore)
+    hidden.requires_grad_()
+    loss, out_bias = layer(hidden, labels=labels)
+    assert out_bias is None
+    assert loss.shape == (B, S) and loss.dtype == torch.float32 and loss.is_contiguous()
+    grad = torch.randn(B, S, generator=torch.Generator().manual_seed(1))
+    loss.backward(grad)
+    ref = oracle(
+        hidden, layer.weight, labels.t(), bias=layer.bias, grad_loss=grad.t(), reduction="none", **opts
+    )
+    tol = TOL[impl]
+    assert rel_err(loss.t(), ref.loss) <= tol
+    assert rel_err(hidden.grad, ref.de) <= tol
+    assert rel_err(layer.weight.grad, ref.dc) <= tol
+    if bias:
+        assert rel_err(layer.bias.grad, ref.dbias) <= tol
+
+
+def _reference_grad(layer, hidden, labels):
+    w = layer.weight.detach().clone().requires_grad_()
+    logits = (hidden @ w.t()).float()  # [s, b, V]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.t().reshape(-1), reduction="sum")
+    loss.backward()
+    return w.grad
+
+
+@pytest.mark.parametrize("main_grad_dtype", [torch.float32, torch.bfloat16])
+def test_main_grad_accumulation(main_grad_dtype):
+    layer = _layer(options=CCEOptions(impl="torch"))
+    layer.gradient_accumulation_fusion = True
+    w = layer.weight
+    w.main_grad = torch.full(w.shape, 0.5, dtype=main_grad_dtype)
+    w.grad_added_to_main_grad = False
+    expected = torch.full(w.shape, 0.5)
+    for seed in (0, 1):  # two micro-batches accumulate
+        hidden, labels = _inputs(seed=seed)
+        expected = expected + _reference_grad(layer, hidden, labels)
+        loss, _ = layer(hidden, labels=labels)
+        loss.sum().backward()
+        assert w.grad_added_to_main_grad
+        assert w.grad is not None and w.grad.shape == w.shape and w.grad.dtype == w.dtype  # the dummy
+        w.grad = None
+        w.grad_added_to_main_grad = False
+    assert w.main_grad.dtype == main_grad_dtype
+    tol = 1e-5 if main_grad_dtype == torch.float32 else 1e-2
+    assert rel_err(w.main_grad.float(), expected) <= tol
+
+
+def test_main_grad_dummy_is_zero_for_tied_embedding():
+    layer = _layer(options=CCEOptions(impl="torch"))
+    layer.gradient_accumulation_fusion = True
+    w = layer.weight
+    w.main_grad = torch.zeros(w.shape)
+    w.grad_added_to_main_grad = False
+    w.zero_out_wgrad = True  # GPTModel sets it on a weight shared with the embedding on one stage
+    hidden, labels = _inputs()
+    loss, _ = layer(hidden, labels=labels)
+    loss.sum().backward()
+    assert torch.count_nonzero(w.grad) == 0
+    assert rel_err(w.main_grad, _reference_grad(layer, hidden, labels)) <= 1e-5
+
+
+def test_plain_gradient_without_fusion_or_flag():
+    hidden, labels = _inputs()
+    # Fusion off: a plain gradient even with main_grad present (DDP's hook adds it).
+    layer = _layer(options=CCEOptions(impl="torch"))
+    layer.weight.main_grad = torch.zeros(layer.weight.shape)
+    layer(hidden, labels=labels)[0].sum().backward()
+    assert torch.count_nonzero(layer.weight.main_grad) == 0
+    assert rel_err(layer.weight.grad, _reference_grad(layer, hidden, labels)) <= 1e-5
+    # Fusion on but no grad_added_to_main_grad attribute (no DDP): main_grad only, no dummy.
+    layer = _layer(options=CCEOptions(impl="torch"))
+    layer.gradient_accumulation_fusion = True
+    layer.weight.main_grad = torch.zeros(layer.weight.shape)
+    layer(hidden, labels=labels)[0].sum().backward()
+    assert layer.weight.grad is None
+    assert rel_err(layer.weight.main_grad, _reference_grad(layer, hidden, labels)) <= 1e-5
+
+
+def test_loss_runs_inside_forward_after_pre_hooks():
+    """Megatron DDP's forward pre-hook finishes the weight's all-gather; the loss must see it."""
+    layer = _layer(options=CCEOptions(impl="torch"))
+    gathered = torch.randn(V, H)
+
+    def all_gather_done(module, args):
+        with torch.no_grad():
+            module.weight.copy_(gathered)
+
+    handle = layer.register_forward_pre_hook(all_gather_done)
+    hidden, labels = _inputs()
+    loss, _ = layer(hidden, labels=labels)
+    handle.remove()
+    want = torch.nn.functional.cross_entropy(
+        (hidden @ gathered.t()).permute(1, 2, 0), labels, reduction="none"
+    )
+    assert rel_err(loss, want) <= 1e-5
+
+
+def test_logits_path_is_column_parallel_linear():
+    plain = ColumnParallelLinear(
+        H, V, config=_config(), init_method=lambda w: torch.nn.init.normal_(w), bias=False
+    )
+    layer = CCEOutputLayer.convert(plain)
+    hidden, _ = _inputs()
+    logits, bias = layer(hidden)
+    assert bias is None and logits.shape == (S, B, V)
+    assert torch.equal(logits, hidden @ layer.weight.t())
+    other = torch.randn(V, H)
+    logits, _ = layer(
+        hidden, weight=other, runtime_gather_output=False
+    )  # True: tests/megatron/test_gpt_cpu.py
+    assert torch.equal(logits, hidden @ other.t())
+    with pytest.raises(RuntimeError, match="supplied weight's shape"):
+        layer(hidden, weight=torch.randn(V + 1, H))
+
+
+def test_convert_keeps_parameters_and_is_idempotent():
+    plain = ColumnParallelLinear(H, V, config=_config(), init_method=torch.nn.init.normal_, bias=True)
+    weight, bias = plain.weight, plain.bias
+    attrs = {k: dict(vars(p)) for k, p in (("weight", weight), ("bias", bias))}
+    keys = set(plain.state_dict())
+    hooks = []
+    plain.register_forward_pre_hook(lambda m, a: hooks.append(1))
+    layer = CCEOutputLayer.convert(plain, CCEOptions(impl="cce"))
+    assert layer is plain and type(layer) is CCEOutputLayer
+    assert layer.weight is weight and layer.bias is bias
+    assert {"weight": dict(vars(weight)), "bias": dict(vars(bias))} == attrs
+    assert attrs["weight"] == {
+        "tensor_model_parallel": True,
+        "partition_dim": 0,
+        "partition_stride": 1,
+        "allreduce": True,
+    }
+    assert set(layer.state_dict()) == keys
+    again = CCEOutputLayer.convert(layer, CCEOptions(impl="exact", softcap=5.0))
+    assert again is layer and type(layer) is CCEOutputLayer and layer.cce_options.impl == "exact"
+    assert "impl=exact" in repr(layer)
+    layer(torch.randn(S, B, H), labels=torch.randint(0, V, (B, S)))
+    assert hooks == [1], "the forward pre-hook registered before converting must fire"
+
+
+def test_convert_subclass_keeps_its_behaviour():
+    class Tagged(ColumnParallelLinear):
+        tag = "kept"
+
+    layer = CCEOutputLayer.convert(
+        Tagged(H, V, config=_config(), init_method=torch.nn.init.normal_, bias=False)
+    )
+    assert isinstance(layer, CCEOutputLayer) and isinstance(layer, Tagged) and layer.tag == "kept"
+    assert type(
+        CCEOutputLayer.convert(Tagged(H, V, config=_config(), init_method=torch.nn.init.normal_))
+    ) is type(layer)
+
+
+def test_errors_name_the_problem():
+    layer = _layer(options=CCEOptions(impl="torch"))
+    hidden, labels = _inputs()
+    with pytest.raises(ValueError, match=r"labels must be \[b, s\] = \(3, 7\).*look like \[s, b\]"):
+        layer(hidden, labels=labels.t())
+    with pytest.raises(ValueError, match=r"labels must be \[b, s\]"):
+        layer(hidden, labels=labels[:, :-1])
+    with pytest.raises(ValueError, match=r"hidden states must be \[s, b, h\]"):
+        layer(hidden[0], labels=labels)
+    with pytest.raises(ValueError, match=r"shard of the \[61, 24\] output weight is \(61, 24\)"):
+        layer(hidden, weight=torch.randn(V - 1, H), labels=labels)
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor"):
+        layer(hidden, labels=[[1, 2]])
+    with pytest.raises(ValueError, match=r"found 61"):
+        layer(hidden, labels=torch.full((B, S), V))
+    with pytest.raises(TypeError, match="integer"):
+        layer(hidden, labels=labels.float())
+
+
+def test_option_and_config_errors():
+    with pytest.raises(ValueError, match="unknown impl 'fast'"):
+        CCEOptions(impl="fast")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        CCEOptions(label_smoothing=1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        CCEOptions(softcap=0.0)
+    with pytest.raises(ValueError, match="z_loss"):
+        CCEOptions(z_loss=-1.0)
+    with pytest.raises(ValueError, match="filter_eps"):
+        CCEOptions(filter_eps="sometimes")
+    with pytest.raises(TypeError, match="ignore_index"):
+        CCEOptions(ignore_index=1.5)
+    with pytest.raises(
+        ValueError, match=r"not divisible by 8 \(make_vocab_size_divisible_by=8.*pad it to 64"
+    ):
+        _layer(options=CCEOptions(make_vocab_size_divisible_by=8))
+    with pytest.raises(TypeError, match="ColumnParallelLinear"):
+        CCEOutputLayer.convert(torch.nn.Linear(2, 2))
+    deferred = ColumnParallelLinear(H, V, config=_config(), init_method=torch.nn.init.normal_)
+    deferred.config.defer_embedding_wgrad_compute = True  # (the config check wants pipeline parallelism)
+    with pytest.raises(ValueError, match="defer_embedding_wgrad_compute"):
+        CCEOutputLayer.convert(deferred)
+    layer = _layer(bias=True, skip_bias_add=True, options=CCEOptions(impl="torch"))
+    hidden, labels = _inputs()
+    with pytest.raises(ValueError, match="skip_bias_add"):
+        layer(hidden, labels=labels)
+    tied = _layer(skip_weight_param_allocation=True)
+    with pytest.raises(ValueError, match="pass weight="):
+        tied(hidden, labels=labels)
+
+
+def test_use_cce_rejects_other_models():
+    from cce_parallel.megatron import use_cce
+
+    with pytest.raises(TypeError, match="GPTModel"):
+        use_cce(torch.nn.Linear(2, 2))
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 2) == 50432
+    assert padded_vocab_size(256000, 128, 2) == 256000
+
+
+# ---------------------------------------------------------------------------------------------
+# SDPAttention and LocalNorm
+
+
+def _attention(config_kwargs, sq, heads, groups, mask=None, mask_type="causal"):
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from cce_parallel.megatron import SDPAttention
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * 8,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        **config_kwargs,
+    )
+    attn = SDPAttention(
+        config, layer_number=1, attn_mask_type=getattr(AttnMaskType, mask_type), attention_type="self"
+    )
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sq, 2, heads, 8, generator=g)
+    k = torch.randn(sq, 2, groups, 8, generator=g)
+    v = torch.randn(sq, 2, groups, 8, generator=g)
+    out = attn(q, k, v, mask)
+    # float64 reference: [b, heads, sq, sk] scores with Megatron's mask convention (True = masked).
+    rep = heads // groups
+    q64, k64, v64 = (x.double().permute(1, 2, 0, 3) for x in (q, k, v))
+    k64, v64 = k64.repeat_interleave(rep, 1), v64.repeat_interleave(rep, 1)
+    scores = q64 @ k64.transpose(-1, -2) / 8**0.5
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    elif mask_type == "causal":
+        scores = scores.masked_fill(torch.ones(sq, sq, dtype=torch.bool).triu(1), float("-inf"))
+    want = (scores.softmax(-1) @ v64).permute(2, 0, 1, 3).reshape(sq, 2, heads * 8)
+    return out, want
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_sdpa_attention_causal(heads, groups):
+    out, want = _attention({}, 9, heads, groups)
+    assert out.shape == (9, 2, heads * 8)
+    assert rel_err(out, want) <= 1e-6
+
+
+def test_sdpa_attention_explicit_mask_and_no_mask():
+    mask = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(1)) < 0.3
+    mask[..., 0] = False  # every query sees at least one key
+    out, want = _attention({}, 6, 4, 4, mask=mask)
+    assert rel_err(out, want) <= 1e-6
+    out, want = _attention({}, 6, 4, 4, mask_type="no_mask")
+    assert rel_err(out, want) <= 1e-6
+
+
+def test_local_norm_tags_sequence_parallel():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from cce_parallel.megatron import LocalNorm
+
+    for normalization, cls in (("LayerNorm", torch.nn.LayerNorm), ("RMSNorm", torch.nn.RMSNorm)):
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=2,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            normalization=normalization,
+        )
+        norm = LocalNorm(config=config, hidden_size=8, eps=1e-6)
+        assert type(norm) is cls and norm.eps == 1e-6
+        assert all(p.sequence_parallel for p in norm.parameters())
+
+
+def test_local_spec_swaps_attention_and_norms():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from cce_parallel.megatron import LocalNorm, SDPAttention, local_gpt_layer_spec
+
+    spec = local_gpt_layer_spec(qk_layernorm=True)
+    sub = spec.submodules
+    assert sub.input_layernorm is LocalNorm and sub.pre_mlp_layernorm is LocalNorm
+    attn = sub.self_attention.submodules
+    assert (
+        attn.core_attention is SDPAttention
+        and attn.q_layernorm is LocalNorm
+        and attn.k_layernorm is LocalNorm
+    )
+    text = repr(spec)
+    assert DotProductAttention.__name__ not in text and WrappedTorchNorm.__name__ not in text
+
+
+def test_import_without_megatron():
+    """`import cce_parallel` works without megatron-core; cce_parallel.megatron says what is missing."""
+    code = textwrap.dedent(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "megatron" or name.startswith("megatron."):
+                    raise ImportError("blocked for the test")
+        sys.meta_path.insert(0, Block())
+        import cce_parallel
+        assert "megatron" not in sys.modules
+        try:
+            import cce_parallel.megatron
+        except ImportError as err:
+            assert "needs megatron-core" in str(err), err
+        else:
+            raise AssertionError("cce_parallel.megatron imported without megatron-core")
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
