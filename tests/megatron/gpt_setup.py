@@ -245,10 +245,12 @@ def train_step(
     device: torch.device,
     label_key: str = "labels",
     schedule=None,
+    collect: bool = True,
 ) -> dict:
     """One forward/backward (+ finalize_model_grads, + optimizer step if any).
 
     schedule: run megatron-core's pipeline schedule (default: on CUDA), else drive stages by hand.
+    collect=False skips the fp32 copies of the gradients and parameters (memory measurements).
 
     Returns {"loss": [per-micro-batch [b, s] losses] (last stage, else []), "grads": {name: grad},
     "params": {name: param after the step} (with an optimizer)}. Grads are main_grad under DDP.
@@ -270,14 +272,15 @@ def train_step(
     if setup.ddp:
         finalize_model_grads([model])
     grads = {}
-    for name, p in built.gpt.named_parameters():
+    for name, p in built.gpt.named_parameters() if collect else ():
         g = getattr(p, "main_grad", None) if setup.ddp else p.grad
         grads[name] = None if g is None else g.detach().float().clone()
     out = {"loss": store, "grads": grads, "params": {}}
     if built.optimizer is not None:
         ok, _, _ = built.optimizer.step()
         assert ok, "optimizer step skipped"
-        out["params"] = {n: p.detach().float().clone() for n, p in built.gpt.named_parameters()}
+        if collect:
+            out["params"] = {n: p.detach().float().clone() for n, p in built.gpt.named_parameters()}
     return out
 
 
