@@ -1,0 +1,86 @@
+"""Pretraining entry point: parse, build, train, tear down.
+
+    torchrun --nproc-per-node 4 -m cce_parallel.train --recipe recipes/gpt2-small-owt.yaml
+    python -m cce_parallel.train                       # the tiny recipe (re-launches under torchrun)
+    python -m cce_parallel.train --recipe recipes/llama-1b-owt.yaml --dry-run --world-size 8
+    python -m cce_parallel.train --recipe R.yaml --set train.steps=100 loss.impl=megatron
+
+Also installed as the console script ``cce-train``.
+"""
+
+import argparse
+import os
+import shlex
+import sys
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        prog="cce-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--recipe", help="YAML recipe (default: the tiny recipe, i.e. the schema defaults)")
+    ap.add_argument("--set", nargs="+", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override recipe keys (values are YAML: 3e-4, null, true); repeatable")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the recipe, build the model on the meta device, print sizes, memory and layout")
+    ap.add_argument("--world-size", type=int, help="world size for --dry-run (default: tensor x pipeline x data)")
+    ap.add_argument("--device", choices=("cuda", "cpu"),
+                    help="device to check and estimate for with --dry-run (default: cuda unless run.device is cpu)")
+    ap.add_argument("--prepare-data", action="store_true",
+                    help="prepare the recipe's dataset (tokenize, write data.dir) and exit; no torchrun needed")
+    ap.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    from cce_parallel.config import RecipeError, dump_recipe, load_recipe
+    from cce_parallel.train import launch
+
+    launch.quiet_warnings()
+    quiet = os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 speaks for all
+    try:
+        recipe = load_recipe(args.recipe, [item for group in args.set for item in group])
+        if args.print_recipe:
+            print(dump_recipe(recipe), end="")
+            return 0
+        if args.prepare_data:
+            if quiet:
+                return 0
+            from cce_parallel.train.data import prepare
+
+            info = prepare(recipe.data)
+            print(f"dataset ready in {info.out_dir}: {info.n_train_tokens:,} train / {info.n_valid_tokens:,} "
+                  f"validation tokens, tokenizer {info.tokenizer} ({info.vocab_size} tokens)")
+            return 0
+        if args.dry_run:
+            if quiet:
+                return 0
+            from cce_parallel.train.estimate import dry_run
+
+            dry_run(recipe, world_size=args.world_size, device=args.device)
+            return 0
+
+        device = launch.resolve_device(recipe)
+        world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else launch.needed_world_size(recipe)
+        recipe.check_world(world, device)  # fail before starting any process
+        if not launch.under_torchrun() and world > 1:
+            launch.relaunch(world, argv)
+        launch.prepare_environment(recipe, device)  # before megatron-core (and triton) is imported
+        from cce_parallel.train.trainer import Trainer
+
+        trainer = Trainer(recipe, device, command=shlex.join([sys.executable, "-m", "cce_parallel.train", *argv]))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    except RecipeError as err:
+        if not quiet:
+            print(f"cce-train: invalid recipe: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Model wrapping, optimizer and schedule: megatron-core's on CUDA, small stand-ins on CPU.
+
+On CUDA, the run takes Megatron-LM's path: ``Float16Module`` (bf16), megatron-core's
+``DistributedDataParallel`` (contiguous fp32 grad buffers, optional overlap), the optimizer from
+``get_megatron_optimizer`` (fp32 main weights, optional DistributedOptimizer = ZeRO-1, gradient
+clipping; apex FusedAdam where installed, otherwise torch's AdamW, switched to its fused kernel),
+and the micro-batch/pipeline schedule of ``get_forward_backward_func``.
+
+Those pieces allocate on CUDA unconditionally (grad buffers, found-inf flags, token counters,
+clip norms), so a CPU run (gloo; tensor and data parallelism, fp32) uses the stand-ins of
+``cpu.py`` with the same interfaces and the same arithmetic: the per-micro-batch loss divided
+by its token count and by the number of micro-batches, gradients averaged over data-parallel
+ranks, a global-norm clip that counts tensor-parallel duplicates once, and AdamW without weight
+decay on biases and norms. Both paths use megatron-core's ``OptimizerParamScheduler``.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from cce_parallel.config import Recipe
+
+
+@dataclasses.dataclass
+class Engine:
+    """What a training step needs; ``model`` is the list of (wrapped) model chunks."""
+
+    model: list
+    optimizer: object  # .step() -> (ok, grad_norm, num_zeros), .zero_grad(), .param_groups, state dicts
+    scheduler: OptimizerParamScheduler
+    forward_backward: Callable  # get_forward_backward_func()'s signature
+    kind: str  # "megatron" or "cpu"
+
+    def zero_grad(self):
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def train(self, mode: bool = True):
+        for chunk in self.model:
+            chunk.train(mode)
+
+
+def build_engine(recipe: Recipe, model: torch.nn.Module, config, *, device: str, dtype: torch.dtype) -> Engine:
+    if device == "cuda":
+        chunks, optimizer, forward_backward = _megatron(recipe, model, config, dtype)
+        kind = "megatron"
+    else:
+        from cce_parallel.train import cpu
+
+        chunk = cpu.LocalDDP(model)
+        chunks, optimizer, forward_backward = [chunk], cpu.LocalAdamW([chunk], recipe.optim), cpu.forward_backward
+        kind = "cpu"
+    o = recipe.optim
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=recipe.decay_steps,
+        lr_decay_style=o.schedule,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=recipe.train.steps,
+        wd_incr_style="constant",
+        # On resume the recipe's schedule wins over the checkpoint's (e.g. a run extended with
+        # more train.steps); the checkpoint supplies the step count.
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
+    )
+    return Engine(chunks, optimizer, scheduler, forward_backward, kind)
+
+
+def _megatron(recipe: Recipe, model, config, dtype):
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+
+    p, o = recipe.parallel, recipe.optim
+    model.cuda(torch.cuda.current_device())  # torch norms are built on the default device
+    if dtype != torch.float32:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        use_distributed_optimizer=p.distributed_optimizer,
+    )
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.beta1,
+        adam_beta2=o.beta2,
+        adam_eps=o.eps,
+        clip_grad=o.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=p.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    if o.fused:
+        _use_fused_adamw(optimizer)
+    config.no_sync_func = chunks[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return chunks, optimizer, get_forward_backward_func()
+
+
+def inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside a (chained) megatron optimizer."""
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [m.optimizer for m in members if getattr(m, "optimizer", None) is not None]
+
+
+def _use_fused_adamw(optimizer):
+    """Without apex/TE, megatron-core builds torch's AdamW with its default (foreach) kernels;
+    its fused kernel takes the same state and hyperparameters, read per group at every step."""
+    for inner in inner_optimizers(optimizer):
+        if type(inner) is torch.optim.AdamW:
+            inner.defaults.update(fused=True, foreach=False)
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)

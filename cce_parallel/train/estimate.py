@@ -1,0 +1,199 @@
+"""--dry-run: check a recipe, build its model on the meta device, print sizes, memory and layout.
+
+No GPU and no torchrun needed: a single process joins torch's "fake" process group
+(collectives are no-ops) as the first rank of each pipeline stage in turn, and builds that
+rank's GPTModel stage on the meta device, so the parameter counts are the real model's, shard
+by shard. The checks and the estimate are for CUDA (bf16 unless train.precision says otherwise)
+unless run.device is cpu or --device cpu is given.
+
+The memory estimate per rank, in bytes (b: micro-batch, s: sequence, h: hidden, V: padded
+vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
+- weights P · (2 in bf16, 4 in fp32); gradients P · 4 (Megatron reduces them in fp32);
+- Adam: P · 12 with bf16 (fp32 main weights + two moments), P · 8 with fp32, / dp with the
+  distributed optimizer;
+- activations per layer and micro-batch, Korthikanti et al. (2022) with flash-style attention
+  (no s² term): s·b·h·(10 + 24/tp) · 2 bytes, or s·b·h·34/tp with sequence parallelism; times the
+  stage's layers and the micro-batches in flight (pp on the first stage under 1F1B). Approximate.
+- the loss layer of the last stage, per micro-batch of N = s·b tokens:
+  megatron: the logits [N, V/tp] in fp32 and their gradient, 8·N·V/tp;
+  CCE: its outputs' bounds ∇E [N, h] + ∇C [V/tp, h] in the compute dtype (plus a workspace of at
+  most 64 MiB for the backward).
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from cce_parallel.config import Recipe, RecipeError
+
+
+def _tokenizer_vocab(recipe: Recipe) -> int:
+    if recipe.data.tokenizer == "bpe":
+        return recipe.data.vocab_size
+    try:
+        from cce_parallel.data import load_dataset_info
+
+        return load_dataset_info(recipe.data.resolved_dir()).vocab_size
+    except (FileNotFoundError, OSError, ValueError):
+        if recipe.model.vocab_size is None:
+            raise RecipeError(
+                f"model.vocab_size: needed for a dry run with data.tokenizer={recipe.data.tokenizer} "
+                f"(the dataset in {recipe.data.resolved_dir()} is not prepared yet)"
+            ) from None
+        return recipe.model.vocab_size
+
+
+@contextlib.contextmanager
+def _meta_cuda():
+    """GPTModel moves a tied embedding to .cuda() to sync it across pipeline stages: a meta
+    tensor stays a meta tensor (there may be no CUDA at all)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self if self.is_meta else original(self, *a, **k)
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _build_stage(recipe: Recipe, *, rank: int, world: int, device: str, dtype, vocab: int):
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from cce_parallel.train.model import build_gpt, count_parameters, transformer_config
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        p = recipe.parallel
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
+            create_gloo_process_groups=False,
+        )
+        config = transformer_config(recipe, dtype=dtype, cpu_init=True)
+        with torch.device("meta"), _meta_cuda():
+            model = build_gpt(recipe, config, vocab_size=vocab, device=device)
+        local, stage = count_parameters(model, p.tensor)
+        embedding = sum(
+            prm.numel() for name, prm in model.named_parameters() if "word_embeddings" in name or "output_layer" in name
+        )
+        return {"rank": rank, "params_local": local, "params_stage": stage, "embedding_local": embedding,
+                "layers": len(model.decoder.layers), "type": type(model).__name__,
+                "output_layer": type(model.output_layer).__name__ if model.post_process else None}
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None = None, quiet: bool = False) -> dict:
+    """Check the recipe for a world size, build each stage on meta, and report; returns the report."""
+    from cce_parallel.train.launch import needed_world_size
+    from cce_parallel.train.model import flops_per_token, model_vocab_size
+
+    p, m, t = recipe.parallel, recipe.model, recipe.train
+    world = world_size or needed_world_size(recipe)
+    # The GPUs a recipe is written for, unless it names the CPU (--device cpu checks a CPU run).
+    device = device or ("cpu" if recipe.run.device == "cpu" else "cuda")
+    dp, accumulation = recipe.check_world(world, device)
+    if recipe.loss.kernel_config:
+        from cce_parallel.train.launch import check_kernel_config
+
+        check_kernel_config(recipe.loss.kernel_config)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(t.precision, torch.bfloat16 if device == "cuda" else torch.float32)
+    tokenizer_vocab = _tokenizer_vocab(recipe)
+    vocab = model_vocab_size(recipe, tokenizer_vocab)
+
+    stages = [
+        _build_stage(recipe, rank=s * p.tensor * dp, world=world, device=device, dtype=dtype, vocab=vocab)
+        for s in range(p.pipeline)
+    ]
+    total = sum(s["params_stage"] for s in stages)
+    if p.pipeline > 1 and m.tie_embeddings:
+        total -= vocab * m.hidden_size  # the last stage's copy of the tied embedding
+
+    width = 2 if dtype == torch.bfloat16 else 4
+    b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
+    n_tokens = b * s
+    per_layer = s * b * h * 34 / p.tensor if p.sequence_parallel else s * b * h * (10 + 24 / p.tensor)
+    per_layer *= width / 2
+    memory = []
+    for index, stage in enumerate(stages):
+        P = stage["params_local"]
+        weights, grads = P * width, P * 4
+        optimizer = P * (12 if width == 2 else 8) / (dp if p.distributed_optimizer else 1)
+        in_flight = min(p.pipeline - index, accumulation) if p.pipeline > 1 else 1
+        activations = per_layer * stage["layers"] * in_flight
+        base = weights + grads + optimizer + activations
+        last = index == p.pipeline - 1
+        logits = 8 * n_tokens * vocab / p.tensor if last else 0
+        cce = (n_tokens * h + vocab / p.tensor * h) * width if last else 0
+        memory.append({"stage": index, "weights": weights, "grads": grads, "optimizer": optimizer,
+                       "activations": activations, "loss_megatron": logits, "loss_cce": cce,
+                       "total_megatron": base + logits, "total_cce": base + cce})
+
+    report = {
+        "recipe": recipe.run.name, "world": world, "tp": p.tensor, "pp": p.pipeline, "dp": dp,
+        "accumulation": accumulation, "device": device, "dtype": str(dtype).replace("torch.", ""),
+        "vocab": vocab, "tokenizer_vocab": tokenizer_vocab, "params_total": total, "stages": stages,
+        "memory": memory, "flops_per_token": flops_per_token(recipe, vocab), "loss_impl": recipe.loss.impl,
+        "tokens_per_step": t.global_batch_size * s,
+    }
+    if not quiet:
+        print(format_report(recipe, report))
+    return report
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:7.2f} {unit}"
+    return f"{n:7.0f} B  "
+
+
+def format_report(recipe: Recipe, r: dict) -> str:
+    m, t = recipe.model, recipe.train
+    lines = [
+        f"recipe {r['recipe']}: valid for world size {r['world']} on {r['device']} ({r['dtype']})",
+        (
+            f"model: {r['params_total'] / 1e6:,.1f}M parameters; {m.num_layers} layers, hidden {m.hidden_size}, "
+            f"{m.num_attention_heads} heads ({m.query_groups} kv), ffn {m.ffn_size}, seq {m.seq_length}, "
+            f"vocab {r['vocab']} padded (tokenizer {r['tokenizer_vocab']}); loss {r['loss_impl']}"
+        ),
+        (
+            f"layout: world {r['world']} = tp {r['tp']} x pp {r['pp']} x dp {r['dp']}"
+            f"{' + sequence parallel' if recipe.parallel.sequence_parallel else ''}"
+            f"{' + distributed optimizer' if recipe.parallel.distributed_optimizer else ''}"
+        ),
+        (
+            f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation {r['accumulation']} "
+            f"x dp {r['dp']} ({r['tokens_per_step']:,} tokens/step); {r['flops_per_token'] / 1e6:,.1f} MFLOP/token"
+        ),
+    ]
+    if r["world"] <= 16:
+        coords = []
+        for rank in range(r["world"]):
+            tp_rank = rank % r["tp"]
+            dp_rank = (rank // r["tp"]) % r["dp"]
+            pp_rank = rank // (r["tp"] * r["dp"])
+            coords.append(f"{rank}:(tp{tp_rank},pp{pp_rank},dp{dp_rank})")
+        lines.append("ranks: " + " ".join(coords))
+    for stage in r["stages"]:
+        lines.append(
+            f"stage {r['stages'].index(stage)} (rank {stage['rank']}): {stage['params_local'] / 1e6:,.2f}M parameters "
+            f"per rank ({stage['embedding_local'] / 1e6:,.2f}M embedding/output), {stage['layers']} layers, "
+            f"output layer {stage['output_layer']}"
+        )
+    lines.append("memory per rank (estimate):        " + "  ".join(f"stage {x['stage']:<8}" for x in r["memory"]))
+    for key, label in (
+        ("weights", "weights"), ("grads", "gradients (fp32)"), ("optimizer", "Adam state"),
+        ("activations", "activations (approx.)"), ("loss_megatron", "loss layer, megatron: logits+grad fp32"),
+        ("loss_cce", "loss layer, CCE: dE + dC bound"), ("total_megatron", "total with megatron loss"),
+        ("total_cce", "total with CCE"),
+    ):
+        lines.append(f"  {label:<40}" + "  ".join(_bytes(x[key]) for x in r["memory"]))
+    last = r["memory"][-1]
+    if last["loss_cce"]:
+        lines.append(
+            f"  the loss layer needs {last['loss_megatron'] / max(last['loss_cce'], 1):,.1f}x less memory with CCE "
+            f"({_bytes(last['loss_megatron']).strip()} -> {_bytes(last['loss_cce']).strip()} per micro-batch)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Process setup: torchrun detection, device, environment, process groups and seeds.
+
+``python -m cce_parallel.train`` is meant to run under torchrun. Started without it, a recipe
+that needs one process runs in-process (world size 1); one that needs more re-executes itself
+as ``python -m torch.distributed.run --standalone --nproc-per-node N -m cce_parallel.train ...``
+with N = tensor · pipeline · (data or 1), and says so.
+"""
+
+import dataclasses
+import datetime
+import json
+import os
+import random
+import socket
+import sys
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cce_parallel.config import Recipe
+
+# Launch settings of the CCE kernels for CPU runs (Triton interpreter): every program of the
+# interpreter costs numpy calls, so large blocks (few programs) keep a tiny run to seconds per
+# step. Used when neither loss.kernel_config nor CCE_PARALLEL_KERNEL_CONFIG says otherwise.
+CPU_KERNEL_CONFIG = {
+    "fwd_block_n": 128, "fwd_block_v": 256, "fwd_block_d": 64, "fwd_programs": 1,
+    "bwd_block_n": 128, "bwd_block_v": 256, "bwd_block_d": 64, "bwd_v_chunks": 1,
+    "bwd_workspace_bytes": 64 << 20, "ws_block_do": 64,
+}
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def resolve_device(recipe: Recipe) -> str:
+    wanted = recipe.run.device
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        from cce_parallel.config import RecipeError
+
+        raise RecipeError("run.device: cuda, but torch sees no CUDA device (use run.device=auto or cpu)")
+    return wanted
+
+
+def needed_world_size(recipe: Recipe) -> int:
+    p = recipe.parallel
+    return p.tensor * p.pipeline * (p.data or 1)
+
+
+def relaunch(nproc: int, argv: list[str]):
+    """Replace this process by torchrun starting nproc copies of the entry point (no return)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "cce_parallel.train", *argv]
+    print(f"not under torchrun: this recipe needs {nproc} processes; running\n  {' '.join(cmd)}", flush=True)
+    sys.stdout.flush()
+    os.execv(sys.executable, cmd)
+
+
+def prepare_environment(recipe: Recipe, device: str):
+    """What must be set before megatron-core (which imports triton) is imported."""
+    if device == "cpu":
+        # The CCE kernels run on CPU tensors only under the Triton interpreter, which triton
+        # reads when it is first imported.
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            warnings.warn("triton was imported before TRITON_INTERPRET=1 could be set: CCE falls back to torch")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # All ranks of a CPU run are on this host: gloo over loopback, whatever the hostname resolves to.
+        if os.path.exists("/sys/class/net/lo"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if device == "cuda":
+        # Megatron-LM's setting: one hardware queue, so that tensor-parallel communication issued
+        # before a GEMM is scheduled before it (megatron warns without it).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    kernel_config = recipe.loss.kernel_config or (CPU_KERNEL_CONFIG if device == "cpu" else None)
+    if kernel_config and "CCE_PARALLEL_KERNEL_CONFIG" not in os.environ:
+        check_kernel_config(kernel_config)
+        os.environ["CCE_PARALLEL_KERNEL_CONFIG"] = json.dumps(kernel_config)
+
+
+def check_kernel_config(fields: dict):
+    """RecipeError unless the fields make a valid KernelConfig (imports the kernels, hence triton)."""
+    from cce_parallel.config import RecipeError
+    from cce_parallel.kernels.config import KernelConfig
+
+    try:
+        dataclasses.replace(KernelConfig(), **fields)
+    except (TypeError, ValueError) as err:
+        known = ", ".join(f.name for f in dataclasses.fields(KernelConfig))
+        raise RecipeError(f"loss.kernel_config: {err} (fields: {known})") from None
+
+
+def quiet_warnings():
+    """megatron-core warns at import that TE/apex are missing (expected here: it falls back)."""
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated",
+                    ".*set the environment variable CUDA_DEVICE_MAX_CONNECTIONS"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(recipe: Recipe, device: str) -> dict:
+    """Join the process group and megatron-core's parallel groups; seed every RNG.
+
+    Returns the layout: rank, world, local_rank, tp, pp, dp, dp_rank, accumulation.
+    """
+    from megatron.core import parallel_state
+
+    if not under_torchrun():  # a plain start that needs one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dp, accumulation = recipe.check_world(world, device)  # before any collective: every rank raises
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    else:
+        # Ranks share the host's cores.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        timeout=datetime.timedelta(minutes=recipe.run.dist_timeout_minutes),
+    )
+    p = recipe.parallel
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline)
+    _seed(recipe.run.seed, device)
+    return {
+        "rank": dist.get_rank(), "world": world, "local_rank": local_rank, "tp": p.tensor, "pp": p.pipeline,
+        "dp": dp, "dp_rank": parallel_state.get_data_parallel_rank(), "accumulation": accumulation,
+    }
+
+
+def _seed(seed: int, device: str):
+    """Megatron-LM's seeding: seed + 100 · pipeline rank for python/numpy/torch, and on CUDA the
+    tensor-parallel RNG tracker (distinct streams per TP rank for dropout inside TP regions)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown():
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

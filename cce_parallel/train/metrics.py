@@ -1,0 +1,137 @@
+"""Metrics: a console line per logging interval, metrics.jsonl in the run directory, and wandb.
+
+Records of ``metrics.jsonl`` (one JSON object per line; rank 0 writes):
+    {"kind": "meta", ...}                         once per start: recipe, layout, sizes, device, versions
+    {"kind": "train", "step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s", "mfu",
+     "consumed_samples", "tokens"}                every step; at logging steps also
+     "peak_mem_per_rank" (bytes, list by global rank) and "peak_mem_max"
+    {"kind": "eval", "step", "val_loss", "val_ppl", "val_tokens"}
+    {"kind": "checkpoint", "step", "path", "seconds"}
+    {"kind": "resume", "step", "path"}            a start that continued from a checkpoint
+A resumed run appends to the same file; readers keep the last record of each step.
+
+Peak memory is ``torch.cuda.max_memory_allocated`` per rank on GPUs, and the peak resident set
+size (``ru_maxrss``) per process on CPU. MFU = achieved model FLOP/s / (world size · peak FLOP/s),
+with the peak from logging.peak_tflops or the GPU's name (bf16 dense); none on CPU by default.
+"""
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Dense bf16 tensor-core peaks, TFLOP/s, by substring of torch.cuda.get_device_name().
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def peak_tflops(configured: float | None, device: str) -> float | None:
+    if configured is not None:
+        return configured
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def peak_memory_per_rank(device: str) -> list[int]:
+    """Peak bytes of every rank (collective), by global rank."""
+    if device == "cuda":
+        mine = torch.cuda.max_memory_allocated()
+    else:
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    values[dist.get_rank()] = float(mine)
+    dist.all_reduce(values)
+    return [int(v) for v in values.tolist()]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class MetricsLogger:
+    """Rank 0 writes the console, metrics.jsonl and wandb; other ranks only join collectives."""
+
+    def __init__(self, run_dir: Path, recipe_dict: dict, *, wandb_mode: str, wandb_project: str, run_name: str):
+        self.rank0 = dist.get_rank() == 0
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb = None
+        if not self.rank0:
+            return
+        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        mode = os.environ.get("WANDB_MODE") or wandb_mode
+        if mode != "disabled":
+            self.wandb = _start_wandb(Path(run_dir), recipe_dict, mode=mode, project=wandb_project, name=run_name)
+
+    def record(self, kind: str, **fields):
+        if not self.rank0:
+            return
+        fields = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
+        self.file.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
+        if self.wandb is not None and kind in ("train", "eval"):
+            scalars = {
+                f"{kind}/{k}": v for k, v in fields.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+            }
+            self.wandb.log(scalars, step=fields["step"])
+
+    def print(self, text: str):
+        if self.rank0:
+            print(text, flush=True)
+
+    def train_line(self, r: dict, total_steps: int):
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        mem = f"{_gib(r['peak_mem_max'])} ({'max over ranks' if r['device'] == 'cuda' else 'RSS, max over ranks'})"
+        self.print(
+            f"step {r['step']:>6}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
+            f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | MFU {mfu} | "
+            f"peak mem {mem} | {r['step_time'] * 1000:.0f} ms/step"
+        )
+
+    def close(self):
+        if not self.rank0:
+            return
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(run_dir: Path, recipe_dict: dict, *, mode: str, project: str, name: str):
+    try:
+        import wandb
+    except ImportError:
+        print("wandb is not installed: logging to metrics.jsonl only (pip install wandb)", flush=True)
+        return None
+    id_file = run_dir / "wandb_id"
+    if not id_file.is_file():  # one wandb run per run directory, resumed across restarts
+        id_file.write_text(f"{name}-{int(time.time())}\n")
+    try:
+        return wandb.init(
+            project=project, name=name, id=id_file.read_text().strip(), resume="allow", dir=str(run_dir),
+            mode=mode, config=recipe_dict,
+        )
+    except Exception as err:  # noqa: BLE001 - logging must not stop training
+        print(f"wandb.init failed ({err}): logging to metrics.jsonl only", flush=True)
+        return None
+
+
+def read_metrics(path) -> dict:
+    """{"meta": [...], "train": {step: record}, "eval": {step: record}, ...} from a metrics.jsonl;
+    later records of a step (after a resume) replace earlier ones."""
+    out = {"meta": [], "train": {}, "eval": {}, "checkpoint": {}, "resume": {}}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        kind = record.get("kind")
+        if kind == "meta":
+            out["meta"].append(record)
+        elif kind in out:
+            out[kind][record["step"]] = record
+    return out

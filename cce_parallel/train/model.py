@@ -1,0 +1,159 @@
+"""The GPT of a recipe: megatron-core's GPTModel with the CCE loss layer (or megatron's own).
+
+    config = transformer_config(recipe, dtype=torch.bfloat16, cpu_init=False)
+    model = build_gpt(recipe, config, vocab_size=padded)   # this rank's pipeline stage and TP shard
+
+The layer spec is Transformer Engine's where TE is installed (and the run is on CUDA), otherwise
+megatron-core's local layers with SDPA core attention and torch norms
+(``cce_parallel.megatron.local_gpt_layer_spec``), which run on CPU too. With ``loss.impl`` a CCE
+impl, ``use_cce`` swaps the output layer so that ``model(tokens, position_ids, None, labels=labels)``
+returns the per-token fp32 loss [b, s] without building logits; with ``megatron`` the model keeps
+its ColumnParallelLinear + ``vocab_parallel_cross_entropy``. Needs parallel_state initialized.
+"""
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.activations import fast_gelu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from cce_parallel.config import Recipe
+from cce_parallel.megatron import local_gpt_block_spec, local_gpt_layer_spec, padded_vocab_size, use_cce
+
+
+def have_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def have_grad_accumulation_fusion() -> bool:
+    """apex's CUDA extension that megatron's linear layers need for gradient_accumulation_fusion."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def model_vocab_size(recipe: Recipe, tokenizer_vocab: int) -> int:
+    """The padded vocabulary of the model: model.vocab_size (or the tokenizer's), rounded up to a
+    multiple of make_vocab_size_divisible_by · tp, as Megatron-LM pads it."""
+    m = recipe.model
+    vocab = m.vocab_size if m.vocab_size is not None else tokenizer_vocab
+    if vocab < tokenizer_vocab:
+        from cce_parallel.config import RecipeError
+
+        raise RecipeError(
+            f"model.vocab_size: {vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab} tokens)"
+        )
+    return padded_vocab_size(vocab, m.make_vocab_size_divisible_by, recipe.parallel.tensor)
+
+
+def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, init: bool = True) -> TransformerConfig:
+    """megatron-core's TransformerConfig for the recipe (no fusions that need apex or TE kernels)."""
+    m, p = recipe.model, recipe.parallel
+    activation, gated = {"gelu": (F.gelu, False), "swiglu": (F.silu, True), "geglu": (fast_gelu, True)}[m.activation]
+    half = dtype != torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.query_groups,
+        kv_channels=m.head_dim,
+        ffn_hidden_size=m.ffn_size,
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        sequence_parallel=p.sequence_parallel,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        layernorm_epsilon=m.layernorm_epsilon,
+        normalization=m.normalization,
+        add_bias_linear=m.add_bias_linear,
+        gated_linear_unit=gated,
+        activation_func=activation,
+        bf16=half and dtype == torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype if p.pipeline > 1 else None,
+        # Per-rank initialization draws a full master weight and keeps this rank's shard, so the
+        # model does not depend on the TP layout (used on CPU; GPUs draw each shard on the device).
+        use_cpu_initialization=cpu_init,
+        perform_initialization=init,
+        # Fusions: apex kernels for the weight-gradient accumulation, TE/jit ones for the rest.
+        gradient_accumulation_fusion=have_grad_accumulation_fusion() and not cpu_init,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        deallocate_pipeline_outputs=p.pipeline > 1,
+    )
+
+
+def use_te(recipe: Recipe, device: str) -> bool:
+    attention = recipe.model.attention
+    return attention == "te" or (attention == "auto" and device == "cuda" and have_te())
+
+
+def layer_spec(recipe: Recipe, config: TransformerConfig, device: str):
+    if recipe.model.attention == "te" and not have_te():
+        from cce_parallel.config import RecipeError
+
+        raise RecipeError("model.attention: te, but Transformer Engine is not installed (use auto or sdpa)")
+    if use_te(recipe, device):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    if config.sequence_parallel:
+        # The final norm must be a LocalNorm too (its grads are all-reduced over TP under SP).
+        return local_gpt_block_spec(config)
+    return local_gpt_layer_spec()
+
+
+def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, device: str) -> GPTModel:
+    """This rank's GPTModel stage (pre/post-process by pipeline stage), with the recipe's loss layer."""
+    m, loss = recipe.model, recipe.loss
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(recipe, config, device),
+        vocab_size=vocab_size,
+        max_sequence_length=m.max_position_embeddings or m.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type=m.position_embedding,
+        rotary_base=m.rotary_base,
+    )
+    if loss.is_cce:
+        use_cce(
+            model,
+            impl=loss.impl,
+            softcap=loss.softcap,
+            label_smoothing=loss.label_smoothing,
+            z_loss=loss.z_loss,
+            filter_eps=loss.filter_eps,
+            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        )
+    return model
+
+
+# -- sizes ---------------------------------------------------------------------------------------
+
+
+def count_parameters(model: torch.nn.Module, tp: int) -> tuple[int, int]:
+    """(parameters on this rank, parameters of this stage over its TP group)."""
+    local = sum(p.numel() for p in model.parameters())
+    over_tp = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters())
+    return local, over_tp
+
+
+def flops_per_token(recipe: Recipe, vocab_size: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 per weight of every matmul, the output
+    layer included, plus the attention scores and values 12 · layers · seq · head_dim · heads
+    (not halved for causality, as Megatron-LM and PaLM count)."""
+    m = recipe.model
+    h, heads, groups, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    attention = h * heads * d + 2 * h * groups * d + heads * d * h
+    mlp = h * m.ffn_size * (3 if m.activation in ("swiglu", "geglu") else 2)
+    matmul_weights = m.num_layers * (attention + mlp) + vocab_size * h
+    return 6.0 * matmul_weights + 12.0 * m.num_layers * m.seq_length * heads * d

@@ -1,0 +1,261 @@
+"""The training loop: build, (resume,) step, log, evaluate, checkpoint.
+
+One step = the learning rate for step k, the recipe's micro-batches through the forward/backward
+schedule, and one optimizer step. ``forward_step`` and ``loss_func`` are Megatron-LM's
+``pretrain_gpt`` pair: the model returns the per-token fp32 loss [b, s] (CCE or megatron's
+vocab_parallel_cross_entropy), masked by the dataset's loss_mask, summed, and reported with its
+token count; the schedule divides by the token count and the number of micro-batches.
+"""
+
+import functools
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
+from cce_parallel.train import checkpoint, launch
+from cce_parallel.train.data import build_batches, prepare_on_rank0
+from cce_parallel.train.engine import build_engine
+from cce_parallel.train.metrics import MetricsLogger, peak_memory_per_rank, peak_tflops
+from cce_parallel.train.model import (
+    build_gpt,
+    count_parameters,
+    flops_per_token,
+    model_vocab_size,
+    transformer_config,
+)
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s] fp32
+    return loss, functools.partial(loss_func, batch["loss_mask"])
+
+
+def loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor):
+    mask = loss_mask.float()
+    total = (per_token.float() * mask).sum()
+    count = mask.sum()
+    return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count])}
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, device: str, *, command: str = ""):
+        self.recipe, self.device, self.command = recipe, device, command
+        self.layout = launch.init_distributed(recipe, device)
+        self.rank0 = self.layout["rank"] == 0
+        self.run_dir = Path(recipe.run.out_dir) / recipe.run.name
+        self.ckpt_dir = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else self.run_dir / "checkpoints"
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+            recipe.train.precision, torch.bfloat16 if device == "cuda" else torch.float32
+        )
+        resume_from = self._find_resume()
+        if self.rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "recipe.yaml").write_text(dump_recipe(recipe, header=f"resolved recipe\n{command}"))
+            if resume_from is None and (self.run_dir / "metrics.jsonl").exists():
+                os.replace(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.jsonl.prev")
+        dist.barrier()
+
+        # Data (rank 0 prepares it once), then the model, wrapped, with its optimizer.
+        from cce_parallel.data.tokenizer import load_tokenizer
+
+        info = prepare_on_rank0(recipe.data)
+        tokenizer = load_tokenizer(info)
+        self.vocab_size = model_vocab_size(recipe, info.vocab_size)
+        torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.train_batches, self.valid_batches = build_batches(
+            recipe, info, tokenizer, dp_rank=self.layout["dp_rank"], dp_size=self.layout["dp"], device=torch_device
+        )
+        self.config = transformer_config(recipe, dtype=self.dtype, cpu_init=device == "cpu")
+        model = build_gpt(recipe, self.config, vocab_size=self.vocab_size, device=device)
+        self.params_local, stage_params = count_parameters(model, recipe.parallel.tensor)
+        self.params_total = self._total_parameters(stage_params)
+        self.engine = build_engine(recipe, model, self.config, device=device, dtype=self.dtype)
+
+        self.step = 0
+        self.metrics = MetricsLogger(
+            self.run_dir, recipe_to_dict(recipe), wandb_mode=recipe.logging.wandb,
+            wandb_project=recipe.logging.wandb_project, run_name=recipe.run.name,
+        )
+        if resume_from is not None:
+            meta = checkpoint.load(resume_from, engine=self.engine, layout=self.layout)
+            self.step = meta["step"]
+            self.metrics.print(f"resumed from {resume_from} at step {self.step}")
+            self.metrics.record("resume", step=self.step, path=str(resume_from))
+        self.flops_per_token = flops_per_token(recipe, self.vocab_size)
+        self.peak_tflops = peak_tflops(recipe.logging.peak_tflops, device)
+        self._record_meta(info)
+
+    # -- setup helpers ---------------------------------------------------------------------
+
+    def _find_resume(self) -> Path | None:
+        resume = self.recipe.checkpoint.resume
+        if resume == "auto":
+            return checkpoint.latest_checkpoint(self.ckpt_dir)
+        if resume == "never":
+            if checkpoint.latest_checkpoint(self.ckpt_dir) is not None:
+                raise RecipeError(
+                    f"checkpoint.resume: never, but {self.ckpt_dir} holds checkpoints; remove them, choose another "
+                    "run.name, or resume (checkpoint.resume=auto)"
+                )
+            return None
+        path = Path(resume)
+        if not (path / "meta.json").is_file():
+            raise RecipeError(f"checkpoint.resume: {resume} is not a checkpoint directory (no meta.json)")
+        return path
+
+    def _total_parameters(self, stage_params: int) -> int:
+        """Parameters of the whole model: the stages' sums over their TP groups, without the
+        output-layer copy of a tied embedding on the last stage."""
+        counts = torch.zeros(self.layout["pp"], dtype=torch.float64, device=self.device)
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
+            counts[parallel_state.get_pipeline_model_parallel_rank()] = stage_params
+        dist.all_reduce(counts)
+        total = int(counts.sum().item())
+        if self.layout["pp"] > 1 and self.recipe.model.tie_embeddings:
+            total -= self.vocab_size * self.recipe.model.hidden_size
+        return total
+
+    def _record_meta(self, info):
+        import megatron.core
+
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                    check=False, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+        name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
+        self.metrics.record(
+            "meta", step=self.step, command=self.command, recipe=recipe_to_dict(self.recipe), layout=self.layout,
+            device=self.device, device_name=name, dtype=str(self.dtype).replace("torch.", ""),
+            engine=self.engine.kind, params_total=self.params_total, params_rank0=self.params_local,
+            vocab_size=self.vocab_size, tokenizer_vocab_size=info.vocab_size, dataset=info.out_dir,
+            flops_per_token=flops_per_token(self.recipe, self.vocab_size), peak_tflops=self.peak_tflops,
+            torch=torch.__version__, megatron_core=megatron.core.__version__, python=sys.version.split()[0],
+            commit=commit, host=socket.gethostname(), time=time.time(),
+        )
+        r = self.recipe
+        self.metrics.print(
+            f"{r.run.name}: {self.params_total / 1e6:.2f}M parameters ({self.params_local / 1e6:.2f}M on rank 0), "
+            f"vocab {self.vocab_size} (tokenizer {info.vocab_size}), loss {r.loss.impl}, {self.device} "
+            f"{str(self.dtype).replace('torch.', '')}; world {self.layout['world']} = tp {self.layout['tp']} x "
+            f"pp {self.layout['pp']} x dp {self.layout['dp']}; {self.layout['accumulation']} micro-batches of "
+            f"{r.train.micro_batch_size} per rank per step; run dir {self.run_dir}"
+        )
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run_batches(self, batches, first_sample: int, forward_only: bool):
+        r = self.recipe
+        return self.engine.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=batches.microbatches(first_sample),
+            model=self.engine.model,
+            num_microbatches=self.layout["accumulation"],
+            seq_length=r.model.seq_length,
+            micro_batch_size=r.train.micro_batch_size,
+            decoder_seq_length=r.model.seq_length,
+            forward_only=forward_only,
+        )
+
+    def _reduce(self, reports_list) -> tuple[float, float]:
+        """(loss sum, token count) over all micro-batches and data-parallel ranks, on every rank."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for reports in reports_list:
+            for report in reports:
+                total += report["lm loss"].to(total)
+        if parallel_state.is_pipeline_last_stage():
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        if self.layout["pp"] > 1:  # only the last stage has losses: sum them to every stage
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        return total[0].item(), total[1].item()
+
+    def train_step(self) -> dict:
+        r, engine = self.recipe, self.engine
+        start = time.perf_counter()
+        engine.scheduler.step(1)  # the learning rate of step self.step + 1
+        lr = engine.optimizer.param_groups[0]["lr"]
+        engine.zero_grad()
+        reports = self._run_batches(self.train_batches, self.step * r.train.global_batch_size, forward_only=False)
+        ok, grad_norm, _ = engine.optimizer.step()
+        loss_sum, tokens = self._reduce([reports])
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        self.step += 1
+        step_time = time.perf_counter() - start
+        tokens_per_s = r.train.global_batch_size * r.model.seq_length / step_time
+        mfu = None
+        if self.peak_tflops:
+            mfu = tokens_per_s * self.flops_per_token / (self.layout["world"] * self.peak_tflops * 1e12)
+        return {
+            "step": self.step, "loss": loss_sum / max(tokens, 1), "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "update": bool(ok),
+            "step_time": step_time, "tokens_per_s": tokens_per_s, "mfu": mfu,
+            "consumed_samples": self.step * r.train.global_batch_size,
+            "tokens": self.step * r.train.global_batch_size * r.model.seq_length,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        r = self.recipe
+        self.engine.train(False)
+        reports = [
+            self._run_batches(self.valid_batches, i * r.train.global_batch_size, forward_only=True)
+            for i in range(r.eval.iters)
+        ]
+        self.engine.train(True)
+        loss_sum, tokens = self._reduce(reports)
+        val_loss = loss_sum / max(tokens, 1)
+        return {"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_tokens": int(tokens)}
+
+    def save(self):
+        start = time.perf_counter()
+        meta = {"layout": self.layout, "recipe": recipe_to_dict(self.recipe), "loss_impl": self.recipe.loss.impl}
+        path = checkpoint.save(
+            self.ckpt_dir, step=self.step, consumed_samples=self.step * self.recipe.train.global_batch_size,
+            engine=self.engine, meta=meta, keep=self.recipe.checkpoint.keep,
+        )
+        seconds = time.perf_counter() - start
+        self.metrics.record("checkpoint", step=self.step, path=str(path), seconds=seconds)
+        self.metrics.print(f"saved checkpoint {path} ({seconds:.1f} s)")
+
+    def _eval_and_log(self):
+        result = self.evaluate()
+        self.metrics.record("eval", **result)
+        self.metrics.print(f"eval at step {result['step']}: val loss {result['val_loss']:.4f} | val ppl {result['val_ppl']:.2f}")
+
+    def train(self):
+        r = self.recipe
+        stop = r.train.stop_at or r.train.steps
+        if self.step >= r.train.steps:
+            self.metrics.print(f"nothing to do: the checkpoint is at step {self.step} of {r.train.steps}")
+            return
+        while self.step < stop:
+            result = self.train_step()
+            if self.step % r.logging.interval == 0 or self.step in (1, stop):
+                result["peak_mem_per_rank"] = peak_memory_per_rank(self.device)
+                result["peak_mem_max"] = max(result["peak_mem_per_rank"])
+                self.metrics.train_line(dict(result, device=self.device), r.train.steps)
+            self.metrics.record("train", **result)
+            if not math.isfinite(result["loss"]):
+                raise FloatingPointError(f"the loss is {result['loss']} at step {self.step}")
+            if self.step == r.train.steps or (r.eval.interval and self.step % r.eval.interval == 0):
+                self._eval_and_log()
+            if self.step == stop or (r.checkpoint.interval and self.step % r.checkpoint.interval == 0):
+                self.save()
+        if self.step < r.train.steps:
+            self.metrics.print(f"stopped at step {self.step} (train.stop_at); start again to resume")
+
+    def close(self):
+        self.metrics.close()
+        launch.shutdown()
+

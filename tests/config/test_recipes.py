@@ -1,0 +1,221 @@
+"""Recipes: every shipped recipe validates and dry-runs; broken recipes fail naming the key."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cce_parallel.config import (
+    CCE_IMPLS,
+    Recipe,
+    RecipeError,
+    apply_override,
+    diff_from_defaults,
+    dump_recipe,
+    load_recipe,
+    recipe_from_dict,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+SHIPPED = {"tiny", "gpt2-small-owt", "llama-1b-owt", "gemma-2b-owt"}
+
+
+def test_shipped_recipes_exist():
+    assert SHIPPED <= {p.stem for p in RECIPES}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_loads_and_round_trips(path):
+    recipe = load_recipe(path)
+    assert recipe.run.name == path.stem
+    assert load_recipe_text(dump_recipe(recipe), path.parent) == recipe
+
+
+def load_recipe_text(text, tmp_dir):
+    return recipe_from_dict(__import__("yaml").safe_load(text))
+
+
+def test_tiny_is_the_default():
+    assert load_recipe(ROOT / "recipes" / "tiny.yaml") == Recipe()
+    assert load_recipe(None) == Recipe()
+    assert diff_from_defaults(Recipe()) == {}
+
+
+def test_owt_recipes_use_the_paper_pretraining_mode():
+    for name, vocab in (("gpt2-small-owt", 50257), ("llama-1b-owt", 128256), ("gemma-2b-owt", 256000)):
+        recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+        assert recipe.loss.impl == "cce_kahan_full_c"
+        assert recipe.model.vocab_size == vocab
+        assert recipe.data.source == "openwebtext"
+        offline = load_recipe(ROOT / "recipes" / f"{name}.yaml", ["data.source=stdlib", "data.tokenizer=bpe"])
+        assert offline.data.tokenizer == "bpe"
+        assert load_recipe(ROOT / "recipes" / f"{name}.yaml", ["loss.impl=megatron"]).loss.impl == "megatron"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_dry_run(path):
+    """--dry-run builds every stage on the meta device; sizes match the models the recipes name."""
+    from cce_parallel.train.estimate import dry_run
+
+    recipe = load_recipe(path)
+    report = dry_run(recipe, world_size=4, quiet=True)
+    expected = {"tiny": (0.1e6, 0.3e6), "gpt2-small-owt": (124e6, 125e6), "llama-1b-owt": (1.2e9, 1.3e9),
+                "gemma-2b-owt": (2.4e9, 2.6e9)}.get(path.stem)
+    if expected:
+        assert expected[0] <= report["params_total"] <= expected[1], report["params_total"]
+    assert report["world"] == report["tp"] * report["pp"] * report["dp"] == 4
+    last = report["memory"][-1]
+    assert last["loss_cce"] < last["loss_megatron"]
+    assert report["vocab"] % (128 * report["tp"]) == 0
+
+
+def test_dry_run_with_pipeline_and_megatron_loss():
+    from cce_parallel.train.estimate import dry_run
+
+    recipe = load_recipe(ROOT / "recipes" / "gpt2-small-owt.yaml",
+                         ["parallel.pipeline=2", "parallel.sequence_parallel=true", "loss.impl=megatron"])
+    report = dry_run(recipe, world_size=8, quiet=True)
+    assert len(report["stages"]) == 2
+    assert 124e6 <= report["params_total"] <= 125e6  # the last stage's tied embedding counted once
+    assert report["stages"][1]["output_layer"] == "ColumnParallelLinear"
+
+
+def test_impl_list_matches_the_package():
+    import cce_parallel
+
+    assert tuple(CCE_IMPLS) == tuple(cce_parallel.IMPLS)
+
+
+def test_kernel_config_is_checked_against_the_kernels():
+    from cce_parallel.train.launch import CPU_KERNEL_CONFIG, check_kernel_config
+
+    check_kernel_config(CPU_KERNEL_CONFIG)
+    for bad, match in (({"fwd_block_q": 64}, "fwd_block_q"), ({"fwd_block_n": 100}, "power of two")):
+        with pytest.raises(RecipeError, match=f"^loss.kernel_config: .*{match}"):
+            check_kernel_config(bad)
+
+
+def test_every_field_is_documented():
+    """Each field has an attribute docstring in schema.py (the recipe reference)."""
+    import inspect
+
+    from cce_parallel.config import schema
+
+    source = inspect.getsource(schema)
+    for section in dataclasses.fields(Recipe):
+        for f in dataclasses.fields(section.type):
+            marker = f"    {f.name}: "
+            start = source.index(marker, source.index(f"class {section.type.__name__}("))
+            following = source[start:].splitlines()[1].strip()
+            assert following.startswith('"""'), f"{section.name}.{f.name} has no docstring"
+
+
+# -- broken recipes -------------------------------------------------------------------------------
+
+
+def _error(raw=None, overrides=(), world=None, device="cpu") -> str:
+    with pytest.raises(RecipeError) as info:
+        for item in overrides:
+            apply_override(raw := raw or {}, item)
+        recipe = recipe_from_dict(raw or {})
+        if world is not None:
+            recipe.check_world(world, device)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"model": {"hidden_sise": 64}}, "model.hidden_sise: unknown key"),
+        ({"modle": {}}, "modle: unknown section"),
+        ({"model": {"num_layers": "2"}}, "model.num_layers: expected an int"),
+        ({"model": {"num_layers": 2.0}}, "model.num_layers: expected an int"),
+        ({"parallel": {"sequence_parallel": 1}}, "parallel.sequence_parallel: expected a bool"),
+        ({"train": {"steps": True}}, "train.steps: expected an int"),
+        ({"loss": {"impl": "cce_fast"}}, "loss.impl: expected one of"),
+        ({"optim": {"lr": "fast"}}, "optim.lr: expected a number"),
+        ({"loss": {"kernel_config": {"fwd_block_n": "64"}}}, "loss.kernel_config: expected a mapping"),
+        ({"model": ["num_layers"]}, "model: must be a mapping"),
+    ],
+)
+def test_unknown_keys_and_wrong_types(raw, key):
+    assert _error(raw).startswith(key)
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"model": {"num_attention_heads": 6, "hidden_size": 96}, "parallel": {"tensor": 4}}, "model.num_attention_heads"),
+        ({"model": {"num_query_groups": 1}, "parallel": {"tensor": 2}}, "model.num_query_groups"),
+        ({"model": {"num_attention_heads": 3}}, "model.num_attention_heads"),
+        ({"model": {"num_layers": 3}, "parallel": {"pipeline": 2}}, "model.num_layers"),
+        ({"train": {"global_batch_size": 6}}, "train.global_batch_size"),
+        ({"parallel": {"data": 3}, "train": {"global_batch_size": 8}}, "train.global_batch_size"),
+        ({"train": {"grad_accumulation": 3}, "parallel": {"data": 1}}, "train.global_batch_size"),
+        ({"parallel": {"tensor": 1, "sequence_parallel": True}}, "parallel.sequence_parallel"),
+        ({"loss": {"impl": "megatron", "z_loss": 1e-4}}, "loss.z_loss"),
+        ({"optim": {"warmup_steps": 50}}, "optim.warmup_steps"),
+        ({"optim": {"min_lr": 1.0}}, "optim.min_lr"),
+        ({"model": {"seq_length": 0}}, "model.seq_length"),
+        ({"train": {"stop_at": 99}}, "train.stop_at"),
+        ({"data": {"tokenizer": "gpt2"}}, "data.tokenizer"),
+    ],
+)
+def test_inconsistent_sizes(raw, key):
+    assert _error(raw).startswith(key)
+
+
+def test_world_size_mismatch():
+    assert _error({"parallel": {"tensor": 2, "data": 2}}, world=2).startswith("parallel.data")
+    assert "world size is 2" in _error({"parallel": {"tensor": 2, "data": 2}}, world=2)
+    assert _error({"parallel": {"tensor": 2}}, world=3).startswith("parallel.tensor")
+    assert _error({"train": {"global_batch_size": 8}}, world=6).startswith("train.global_batch_size")
+    assert _error({"train": {"micro_batch_size": 4, "global_batch_size": 12}}, world=4).startswith(
+        "train.global_batch_size"
+    )
+    assert Recipe().check_world(2, "cpu") == (1, 2)
+    assert Recipe().check_world(4, "cpu") == (2, 1)
+
+
+def test_cuda_only_features_on_cpu():
+    assert _error({"parallel": {"pipeline": 2}}, world=4).startswith("parallel.pipeline")
+    assert _error({"parallel": {"distributed_optimizer": True}}, world=2).startswith("parallel.distributed_optimizer")
+    assert _error({"train": {"precision": "bf16"}}, world=2).startswith("train.precision")
+    assert _error({"model": {"position_embedding": "rope"}}, world=2).startswith("model.position_embedding")
+    recipe = recipe_from_dict({"parallel": {"pipeline": 2}})
+    assert recipe.check_world(4, "cuda") == (1, 2)
+
+
+def test_overrides():
+    recipe = load_recipe(None, ["optim.lr=3e-4", "optim.min_lr=0", "model.vocab_size=null", "parallel.sequence_parallel=true",
+                                "loss.filter_eps=auto", "loss.kernel_config={fwd_block_n: 64}"])
+    assert recipe.optim.lr == 3e-4 and isinstance(recipe.optim.lr, float)
+    assert recipe.parallel.sequence_parallel is True
+    assert recipe.loss.kernel_config == {"fwd_block_n": 64}
+    for bad in ("optim.lr", "lr=1", "a.b.c=1", "=1"):
+        with pytest.raises(RecipeError, match="section.key=value"):
+            load_recipe(None, [bad])
+    with pytest.raises(RecipeError, match="^optim.nope: unknown key"):
+        load_recipe(None, ["optim.nope=1"])
+
+
+def test_yaml_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(RecipeError, match="mapping of sections"):
+        load_recipe(bad)
+    bad.write_text("model: {num_layers: [\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "missing.yaml")
+    good = tmp_path / "r.yaml"
+    good.write_text("optim:\n  lr: 3e-4\n  min_lr: 1e-5\n")  # YAML 1.1 would read 3e-4 as a string
+    assert load_recipe(good).optim.lr == 3e-4
+
+
+def test_data_dir_default():
+    assert Recipe().data.resolved_dir() == "data/stdlib-bpe-1024"
+    recipe = load_recipe(ROOT / "recipes" / "gpt2-small-owt.yaml")
+    assert recipe.data.resolved_dir() == "data/openwebtext-hf_gpt2"

@@ -1,0 +1,171 @@
+"""The pretraining entry point, end to end on CPU: tiny recipe at TP=2 over gloo, TP=1 agreement,
+megatron's loss, golden losses, and a SIGKILLed run resumed from its checkpoint."""
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import ROOT, base_overrides, run_train, train_command, train_env
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+GOLDEN = ROOT / "tests" / "assets" / "tiny_losses.json"
+
+
+def _losses(metrics, steps):
+    return [metrics["train"][s]["loss"] for s in steps]
+
+
+def test_tiny_tp2_trains(tiny_reference):
+    """50 steps at TP=2: the loss falls, every artifact of a run is there."""
+    from cce_parallel.config import Recipe, recipe_from_dict
+
+    run_dir, metrics, done = tiny_reference
+    train = metrics["train"]
+    assert sorted(train) == list(range(1, 51))
+    first, last = train[1]["loss"], sum(train[s]["loss"] for s in range(46, 51)) / 5
+    assert abs(first - math.log(1024)) < 0.05, first  # starts near uniform over the vocabulary
+    assert last < first - 0.6, (first, last)
+    for record in train.values():
+        assert record["lr"] > 0 and math.isfinite(record["grad_norm"]) and record["tokens_per_s"] > 0
+    assert train[5]["peak_mem_max"] == max(train[5]["peak_mem_per_rank"]) > 0 and len(train[5]["peak_mem_per_rank"]) == 2
+    assert sorted(metrics["eval"]) == [20, 40, 50]
+    assert metrics["eval"][50]["val_ppl"] == pytest.approx(math.exp(metrics["eval"][50]["val_loss"]))
+    assert metrics["eval"][50]["val_loss"] < metrics["eval"][20]["val_loss"] + 0.05
+
+    meta = metrics["meta"][0]
+    assert meta["layout"]["tp"] == 2 and meta["layout"]["world"] == 2 and meta["engine"] == "cpu"
+    assert meta["params_rank0"] < meta["params_total"] < 2 * meta["params_rank0"]  # TP halves the sharded ones
+    assert 0.1e6 < meta["params_total"] < 0.3e6
+
+    resolved = recipe_from_dict(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
+    assert resolved.model == Recipe().model and resolved.run.name == "reference"
+
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_0000050"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_0000040", "step_0000050"]  # keep: 2
+    names = {p.name for p in (ckpt / "step_0000050").iterdir()}
+    assert {"meta.json", "model_tp0_pp0.pt", "model_tp1_pp0.pt", "rng_rank0.pt", "rng_rank1.pt"} <= names
+    assert (run_dir / "wandb").is_dir()  # offline mode
+    assert "step     50/50" in done.stdout and "val ppl" in done.stdout
+    print(f"tiny reference run: {done.seconds:.1f} s; loss {first:.3f} -> {last:.3f}")
+
+
+def test_golden_losses(tiny_reference):
+    """The first 10 losses against tests/assets (same Python minor: the stdlib text is the data)."""
+    _, metrics, _ = tiny_reference
+    losses = _losses(metrics, range(1, 11))
+    if os.environ.get("CCE_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps({"python": f"{sys.version_info.major}.{sys.version_info.minor}",
+                                      "recipe": "tiny", "losses": losses}, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    if golden["python"] != f"{sys.version_info.major}.{sys.version_info.minor}":
+        pytest.skip(f"golden losses are for Python {golden['python']} (its stdlib docstrings are the data)")
+    assert losses == pytest.approx(golden["losses"], rel=1e-4, abs=1e-4)
+
+
+def test_tp1_matches_tp2(tiny_reference, tiny_data, runs_dir):
+    """The same recipe at TP=1, started as a plain `python -m` (world size 1): the same losses."""
+    _, reference, _ = tiny_reference
+    run_train(base_overrides(runs_dir, tiny_data, "tp1") + ["parallel.tensor=1", "train.stop_at=5"], nproc=None)
+    from cce_parallel.train.metrics import read_metrics
+
+    metrics = read_metrics(runs_dir / "tp1" / "metrics.jsonl")
+    assert metrics["meta"][0]["layout"]["world"] == 1
+    assert _losses(metrics, range(1, 6)) == pytest.approx(_losses(reference, range(1, 6)), rel=1e-5)
+    grad_norms = [metrics["train"][s]["grad_norm"] for s in range(1, 6)]
+    assert grad_norms == pytest.approx([reference["train"][s]["grad_norm"] for s in range(1, 6)], rel=1e-4)
+
+
+def test_megatron_loss_matches(tiny_reference, tiny_data, runs_dir):
+    """loss.impl=megatron (ColumnParallelLinear + vocab_parallel_cross_entropy) at TP=2: the same
+    first loss, and close losses after a few steps."""
+    _, reference, _ = tiny_reference
+    run_train(base_overrides(runs_dir, tiny_data, "megatron") + ["loss.impl=megatron", "train.stop_at=3"])
+    from cce_parallel.train.metrics import read_metrics
+
+    metrics = read_metrics(runs_dir / "megatron" / "metrics.jsonl")
+    assert _losses(metrics, range(1, 4)) == pytest.approx(_losses(reference, range(1, 4)), rel=1e-4)
+
+
+def test_kill_and_resume(tiny_reference, tiny_data, runs_dir):
+    """SIGKILL a torchrun run after its step-10 checkpoint; a restart resumes from it and its
+    losses from step 11 on are bitwise the uninterrupted run's."""
+    from cce_parallel.train.metrics import read_metrics
+
+    _, reference, _ = tiny_reference
+    run_dir = runs_dir / "killed"
+    overrides = base_overrides(runs_dir, tiny_data, "killed")
+    proc = subprocess.Popen(
+        train_command(overrides), cwd=ROOT, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )
+    killed_at = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            path = run_dir / "metrics.jsonl"
+            steps = read_metrics(path)["train"] if path.exists() else {}
+            if (run_dir / "checkpoints" / "latest").exists() and max(steps, default=0) >= 12:
+                killed_at = max(steps)
+                break
+            time.sleep(0.05)
+    finally:
+        # torchrun and both ranks, as a node failure would (torchrun starts its workers in
+        # sessions of their own, so killing its process group would leave them running).
+        for pid in reversed([proc.pid, *_descendants(proc.pid)]):  # the ranks first
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        output = proc.communicate(timeout=30)[0]
+    assert killed_at is not None, f"the run never got past step 12 (exit {proc.returncode}):\n{output[-4000:]}"
+    assert killed_at < 20, "killed too late to test the resume from step 10"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000010"
+
+    done = run_train(overrides + ["train.stop_at=24"])
+    assert "resumed from" in done.stdout
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert list(metrics["resume"]) == [10]
+    steps = range(11, 25)
+    assert _losses(metrics, steps) == _losses(reference, steps)  # bitwise
+    assert [metrics["train"][s]["lr"] for s in steps] == [reference["train"][s]["lr"] for s in steps]
+    assert metrics["eval"][20]["val_loss"] == reference["eval"][20]["val_loss"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000024"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc), parents before their children."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def test_plain_start_relaunches_under_torchrun(tiny_data, runs_dir):
+    """`python -m cce_parallel.train` for a 2-rank recipe re-executes itself through torchrun."""
+    done = run_train(base_overrides(runs_dir, tiny_data, "plain") + ["train.stop_at=1", "eval.iters=1"], nproc=None)
+    assert "not under torchrun: this recipe needs 2 processes" in done.stdout
+    assert (runs_dir / "plain" / "checkpoints" / "step_0000001" / "rng_rank1.pt").exists()
+
+
+def test_bad_recipe_fails_before_training(tiny_data, runs_dir):
+    done = run_train(base_overrides(runs_dir, tiny_data, "bad") + ["parallel.data=2"], check=False)
+    assert done.returncode != 0
+    assert "parallel.data: tensor 2 x pipeline 1 x data 2 = 4 ranks, but the world size is 2" in done.stderr
