@@ -7,9 +7,10 @@ setup:
 	$(PY) -m pip install -q torch==2.13.0 triton numpy pytest pyyaml megatron-core==0.16.1 tokenizers
 	$(PY) -m pip install -q --no-deps -e .
 
-# The main job (until the recipes land): a tiny LM head trained with CCE, offline, on CPU.
+# The main job: the tiny recipe (recipes/tiny.yaml), a megatron-core GPT trained with CCE at TP=2
+# over gloo, offline, on CPU (the data is tokenized on first use).
 demo: setup
-	TRITON_INTERPRET=1 $(PY) -m cce_parallel.train.demo
+	$(PY) -m cce_parallel.train --recipe recipes/tiny.yaml
 
 # CPU tests: Triton kernels under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 test: setup
