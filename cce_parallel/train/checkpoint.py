@@ -1,13 +1,18 @@
 """Checkpoints: model, optimizer, scheduler, data position and RNG states, written atomically.
 
-Layout of ``<dir>/step_0000040/`` (one directory per checkpoint):
+Each checkpoint ``<dir>/step_0000040/`` is one torch.distributed.checkpoint (DCP) save, written
+by every rank in parallel (``*.distcp`` files and DCP's ``.metadata``), plus ``meta.json`` (step,
+consumed samples, parallel layout, scheduler state, recipe). The DCP state dict holds:
 
-    meta.json                 step, consumed samples, parallel layout, scheduler state, recipe
-    model_tp{t}_pp{p}.pt      by data-parallel rank 0 of each (tp, pp) coordinate: the model
-                              chunks' state dicts (the weights in the model's dtype)
-    optim_tp{t}_pp{p}.pt      by data-parallel rank 0: the optimizer (replicated over data parallelism)
-    optim_rank{r}.pt          instead, with the distributed optimizer: every rank's shard
-    rng_rank{r}.pt            every rank: python, numpy, torch (and CUDA + Megatron tracker) RNGs
+    tp{t}_pp{p}/model/{chunk}/...   tensors, by data-parallel rank 0 of each (tp, pp) coordinate:
+                                    the model chunks' state dicts (weights in the model's dtype)
+    tp{t}_pp{p}/optim               by data-parallel rank 0: the optimizer (replicated over data
+                                    parallelism), serialized
+    rank{r}/optim                   instead, with the distributed optimizer: every rank's shard
+    rank{r}/rng                     every rank: python, numpy, torch (and CUDA + Megatron tracker) RNGs
+
+Keys carry the rank coordinates because DCP treats equal keys on several ranks as one replicated
+value: the tensor-parallel shards of a parameter share its name.
 
 The optimizer is saved as what its torch optimizers hold: their state dicts (Adam moments, step
 counts, hyperparameters) and the values of their parameters, which are the main weights: the
@@ -18,10 +23,11 @@ makes a resumed step bitwise the uninterrupted one (on CPU; GPUs add their own n
 Every rank writes into ``.tmp_step_0000040``; after a barrier rank 0 renames it to
 ``step_0000040`` and then replaces ``latest`` (a one-line file naming it) through a temporary
 file and ``os.replace``. A crash at any point leaves ``latest`` naming a complete checkpoint.
-Resuming needs the same parallel layout (tp, pp, dp); the format is per-rank torch.save files,
-not a resharding format.
+Resuming needs the same parallel layout (tp, pp, dp): the keys name the coordinates, so the
+checkpoint does not reshard.
 """
 
+import io
 import json
 import os
 import random
@@ -32,11 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from megatron.core import parallel_state
 
 from cce_parallel.train.engine import inner_optimizers
 
-FORMAT = 1
+FORMAT = 2  # 1: per-rank torch.save files; 2: torch.distributed.checkpoint
 LATEST = "latest"
 
 
@@ -112,6 +119,26 @@ def _load_optimizer_state(optimizer, saved: list[dict]):
             param.copy_(value)
 
 
+def _pack(obj) -> bytes:
+    # Non-tensor state (optimizer moments and step counts, RNG tuples) goes in as one serialized
+    # value per key: DCP stores such values as bytes and needs no template of their structure.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes):
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def _optim_key(optimizer, tp: int, pp: int, rank: int) -> str:
+    return f"rank{rank}/optim" if _is_distributed_optimizer(optimizer) else f"tp{tp}_pp{pp}/optim"
+
+
+def _model_state(engine, tp: int, pp: int) -> dict:
+    return {f"tp{tp}_pp{pp}/model": {str(i): _unwrap(chunk).state_dict() for i, chunk in enumerate(engine.model)}}
+
+
 def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, keep: int = 0) -> Path:
     """Write a checkpoint of the current state (collective: every rank calls it)."""
     directory = Path(directory)
@@ -125,12 +152,12 @@ def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, kee
         tmp.mkdir()
     dist.barrier()
 
+    state = {f"rank{rank}/rng": _pack(_rng_state())}
     if dp == 0:
-        torch.save([_unwrap(chunk).state_dict() for chunk in engine.model], tmp / f"model_tp{tp}_pp{pp}.pt")
-    optim_file = _optim_file(engine.optimizer, tp, pp, rank)
+        state.update(_model_state(engine, tp, pp))
     if dp == 0 or _is_distributed_optimizer(engine.optimizer):
-        torch.save(_optimizer_state(engine.optimizer), tmp / optim_file)
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        state[_optim_key(engine.optimizer, tp, pp, rank)] = _pack(_optimizer_state(engine.optimizer))
+    dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
         record = dict(meta, format=FORMAT, step=step, consumed_samples=consumed_samples,
                       scheduler=engine.scheduler.state_dict(), time=time.time())
@@ -160,6 +187,8 @@ def load(path, *, engine, layout: dict) -> dict:
     """Restore the state saved in checkpoint `path` into engine (collective); returns its meta."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path} has format {meta.get('format')}; this version reads format {FORMAT}")
     saved = meta.get("layout", {})
     if any(saved.get(k) != layout[k] for k in ("tp", "pp", "dp")):
         raise ValueError(
@@ -168,19 +197,20 @@ def load(path, *, engine, layout: dict) -> dict:
         )
     tp, pp, _dp = _coords()
     rank = dist.get_rank()
-    chunks = torch.load(path / f"model_tp{tp}_pp{pp}.pt", map_location="cpu", weights_only=False)
-    for chunk, chunk_state in zip(engine.model, chunks, strict=True):
-        _unwrap(chunk).load_state_dict(chunk_state)
-    saved = torch.load(path / _optim_file(engine.optimizer, tp, pp, rank), map_location="cpu", weights_only=False)
-    _load_optimizer_state(engine.optimizer, saved)
+    optim_key = _optim_key(engine.optimizer, tp, pp, rank)
+    # DCP loads in place into a template of the same keys: the model's own state dict (every data-
+    # parallel rank reads the copy data-parallel rank 0 wrote) and placeholders for the bytes.
+    state = {f"rank{rank}/rng": b"", optim_key: b""}
+    state.update(_model_state(engine, tp, pp))
+    dcp.load(state, checkpoint_id=str(path))
+    chunks = state[f"tp{tp}_pp{pp}/model"]
+    for i, chunk in enumerate(engine.model):
+        _unwrap(chunk).load_state_dict(chunks[str(i)])
+    _load_optimizer_state(engine.optimizer, _unpack(state[optim_key]))
     engine.scheduler.load_state_dict(meta["scheduler"])
-    _set_rng_state(torch.load(path / f"rng_rank{rank}.pt", map_location="cpu", weights_only=False))
+    _set_rng_state(_unpack(state[f"rank{rank}/rng"]))
     dist.barrier()
     return meta
-
-
-def _optim_file(optimizer, tp: int, pp: int, rank: int) -> str:
-    return f"optim_rank{rank}.pt" if _is_distributed_optimizer(optimizer) else f"optim_tp{tp}_pp{pp}.pt"
 
 
 def _unwrap(chunk):

@@ -54,7 +54,9 @@ def test_tiny_tp2_trains(tiny_reference):
     assert (ckpt / "latest").read_text().strip() == "step_0000050"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_0000040", "step_0000050"]  # keep: 2
     names = {p.name for p in (ckpt / "step_0000050").iterdir()}
-    assert {"meta.json", "model_tp0_pp0.pt", "model_tp1_pp0.pt", "rng_rank0.pt", "rng_rank1.pt"} <= names
+    assert {"meta.json", ".metadata"} <= names, names  # a torch.distributed.checkpoint save
+    assert sum(name.endswith(".distcp") for name in names) == 2, names  # one file per rank
+    assert json.loads((ckpt / "step_0000050" / "meta.json").read_text())["format"] == 2
     assert (run_dir / "wandb").is_dir()  # offline mode
     assert "step     50/50" in done.stdout and "val ppl" in done.stdout
     print(f"tiny reference run: {done.seconds:.1f} s; loss {first:.3f} -> {last:.3f}")
@@ -162,7 +164,7 @@ def test_plain_start_relaunches_under_torchrun(tiny_data, runs_dir):
     """`python -m cce_parallel.train` for a 2-rank recipe re-executes itself through torchrun."""
     done = run_train(base_overrides(runs_dir, tiny_data, "plain") + ["train.stop_at=1", "eval.iters=1"], nproc=None)
     assert "not under torchrun: this recipe needs 2 processes" in done.stdout
-    assert (runs_dir / "plain" / "checkpoints" / "step_0000001" / "rng_rank1.pt").exists()
+    assert (runs_dir / "plain" / "checkpoints" / "step_0000001" / ".metadata").exists()
 
 
 def test_bad_recipe_fails_before_training(tiny_data, runs_dir):
