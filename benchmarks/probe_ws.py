@@ -22,7 +22,7 @@ from probe import make_inputs, timeit  # noqa: E402
 
 from cce_parallel import kernels  # noqa: E402
 from cce_parallel.kernels import backward_ws as ws_mod  # noqa: E402
-from cce_parallel.kernels.lse_forward import dot_precision  # noqa: E402
+from cce_parallel.kernels.tiles import dot_precision  # noqa: E402
 
 
 def launches(e, c, t, lse, a, b, scale, de, dc, ws, mask, cfg, which):

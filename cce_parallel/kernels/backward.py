@@ -51,7 +51,7 @@ All offsets are int64.
 import triton
 import triton.language as tl
 
-from cce_parallel.kernels.lse_forward import _tanh, dot_precision
+from cce_parallel.kernels.tiles import activate, dot_precision, keep_tile, logit_grad, logit_tile, probs_tile
 
 
 @triton.jit
@@ -130,42 +130,16 @@ def _cce_backward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = mask_n[:, None] & mask_v[None, :]
 
-    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + offs_d
-        mask_d = dd < D
-        e = tl.load(
-            E_ptr + offs_n[:, None] * stride_en + dd[None, :] * stride_ed,
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        c = tl.load(
-            C_ptr + rows[None, :] * stride_cv + dd[:, None] * stride_cd,
-            mask=mask_v[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        acc = tl.dot(e, c, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc = acc + tl.load(Bias_ptr + rows, mask=mask_v, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        t = _tanh(acc / softcap)
-        acc = softcap * t
-
-    lse = tl.load(Lse_ptr + offs_n, mask=mask_n, other=0.0)
-    p = tl.where(mask, tl.exp(acc - lse[:, None]), 0.0)
-    tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
-    is_t = (rows[None, :] == tgt[:, None]) & mask
+    x = logit_tile(
+        E_ptr, C_ptr, offs_n, mask_n, rows, mask_v, D, stride_en, stride_ed, stride_cv, stride_cd,
+        DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D,
+    )
+    z, t = activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+    p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, mask)
 
     # do_e / do_c are compile-time True when that gradient is unfiltered, else the runtime test.
     if FILTER_E or FILTER_C:
-        thr = tl.load(Thr_ptr + offs_n, mask=mask_n, other=float("inf"))
-        if FILTER_BY_MAX:
-            row_p = tl.max(p, axis=1)
-        else:
-            row_p = tl.sum(p, axis=1)
-        big_p = tl.max(row_p - thr, axis=0) >= 0
-        has_t = tl.max(tl.max(is_t.to(tl.int32), axis=1), axis=0) > 0
-        keep = big_p | has_t
+        keep = keep_tile(p, is_t, Thr_ptr, offs_n, mask_n, FILTER_BY_MAX)
     else:
         keep = True
     if FILTER_E:
@@ -182,13 +156,7 @@ def _cce_backward_kernel(
         do_any = True
 
     if do_any:
-        a = tl.load(A_ptr + offs_n, mask=mask_n, other=0.0)
-        b = tl.load(B_ptr + offs_n, mask=mask_n, other=0.0)
-        dz = a[:, None] * p - tl.where(is_t, b[:, None], 0.0)
-        if HAS_UNIFORM:
-            dz -= tl.load(U_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
-        if HAS_SOFTCAP:
-            dz = dz * (1.0 - t * t)
+        dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
         dz = tl.where(mask, dz, 0.0)
         if FIXED_POINT:
             scale_e = tl.load(Scale_ptr + 0)

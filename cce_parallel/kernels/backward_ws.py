@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce_parallel.kernels.lse_forward import _tanh, dot_precision
+from cce_parallel.kernels.tiles import activate, dot_precision, keep_tile, logit_grad, logit_tile, probs_tile
 
 
 @triton.jit
@@ -79,40 +79,18 @@ def _dlogits_kernel(
         rows = tl.load(Perm_ptr + pos, mask=mask_v, other=0)
     else:
         rows = pos
-    offs_d = tl.arange(0, BLOCK_D)
     mask = mask_n[:, None] & mask_v[None, :]
 
-    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + offs_d
-        mask_d = dd < D
-        e = tl.load(
-            E_ptr + offs_n[:, None] * stride_en + dd[None, :] * stride_ed,
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        c = tl.load(
-            C_ptr + rows[None, :] * stride_cv + dd[:, None] * stride_cd,
-            mask=mask_v[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        acc = tl.dot(e, c, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc = acc + tl.load(Bias_ptr + rows, mask=mask_v, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        t = _tanh(acc / softcap)
-        acc = softcap * t
-    lse = tl.load(Lse_ptr + offs_n, mask=mask_n, other=0.0)
-    p = tl.where(mask, tl.exp(acc - lse[:, None]), 0.0)
-    tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
-    is_t = (rows[None, :] == tgt[:, None]) & mask
+    x = logit_tile(
+        E_ptr, C_ptr, offs_n, mask_n, rows, mask_v, D, stride_en, stride_ed, stride_cv, stride_cd,
+        DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D,
+    )
+    z, t = activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+    p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, mask)
 
     # The same relative, summed-mass test as backward.py.
     if FILTER_E or FILTER_C:
-        thr = tl.load(Thr_ptr + offs_n, mask=mask_n, other=float("inf"))
-        big_p = tl.max(tl.sum(p, axis=1) - thr, axis=0) >= 0
-        has_t = tl.max(tl.max(is_t.to(tl.int32), axis=1), axis=0) > 0
-        keep = (big_p | has_t).to(tl.int8)
+        keep = keep_tile(p, is_t, Thr_ptr, offs_n, mask_n, False).to(tl.int8)
     else:
         keep = tl.full([], 1, tl.int8)
     if FILTER_E:
@@ -126,13 +104,7 @@ def _dlogits_kernel(
     flags = flag_e + 2 * flag_c
     tl.store(Mask_ptr + pid_n * stride_mn + pid_v, flags)
     if flags != 0:
-        a = tl.load(A_ptr + offs_n, mask=mask_n, other=0.0)
-        b = tl.load(B_ptr + offs_n, mask=mask_n, other=0.0)
-        dz = a[:, None] * p - tl.where(is_t, b[:, None], 0.0)
-        if HAS_UNIFORM:
-            dz -= tl.load(U_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
-        if HAS_SOFTCAP:
-            dz = dz * (1.0 - t * t)
+        dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
         # Scaled so the largest coefficient is ~1: with a mean over many tokens, unscaled fp16 dz
         # would fall into fp16's subnormals. A power of two, so nothing else is rounded.
         dz = tl.where(mask, dz * tl.load(Scale_ptr), 0.0)

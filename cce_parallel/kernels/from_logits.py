@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce_parallel.kernels.lse_forward import _tanh
+from cce_parallel.kernels.tiles import activate, logit_grad, probs_tile
 
 
 @triton.jit
@@ -66,10 +66,7 @@ def _stats_from_logits_kernel(
         mask_v = local < c_hi
         m = mask_n[:, None] & mask_v[None, :]
         z = tl.load(X_ptr + offs_n[:, None] * stride_xn + local[None, :], mask=m, other=0.0)
-        if HAS_BIAS:
-            z += tl.load(Bias_ptr + rows, mask=mask_v, other=0.0).to(tl.float32)[None, :]
-        if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
+        z, _t = activate(z, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
         z = tl.where(mask_v[None, :], z, float("-inf"))
         m_new = tl.maximum(m_run, tl.max(z, axis=1))
         # A row that is all -inf so far keeps m = -inf: shift by 0 then, not by -inf (NaN).
@@ -121,20 +118,9 @@ def _dz_from_logits_kernel(
     mask_v = rows < v_hi
     m = mask_n[:, None] & mask_v[None, :]
     z = tl.load(X_ptr + offs_n[:, None] * stride_xn + local[None, :], mask=m, other=0.0)
-    if HAS_BIAS:
-        z += tl.load(Bias_ptr + rows, mask=mask_v, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        t = _tanh(z / softcap)
-        z = softcap * t
-    lse = tl.load(Lse_ptr + offs_n, mask=mask_n, other=0.0)
-    a = tl.load(A_ptr + offs_n, mask=mask_n, other=0.0)
-    b = tl.load(B_ptr + offs_n, mask=mask_n, other=0.0)
-    tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
-    dz = a[:, None] * tl.exp(z - lse[:, None]) - tl.where(rows[None, :] == tgt[:, None], b[:, None], 0.0)
-    if HAS_UNIFORM:
-        dz -= tl.load(U_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
-    if HAS_SOFTCAP:
-        dz = dz * (1.0 - t * t)
+    z, t = activate(z, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+    p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
+    dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
     dz = dz * tl.load(Scale_ptr)
     tl.store(WS_ptr + offs_n[:, None] * stride_wn + local[None, :], dz.to(WS_ptr.dtype.element_ty), mask=m)
 

@@ -30,13 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tanh(y):
-    # tanh via exp(-2|y|): never overflows and needs no libdevice (works under TRITON_INTERPRET).
-    t = tl.exp(-2.0 * tl.abs(y))
-    r = (1.0 - t) / (1.0 + t)
-    return tl.where(y < 0, -r, r)
+from cce_parallel.kernels.tiles import activate, dot_precision, logit_tile
 
 
 @triton.jit
@@ -72,7 +66,6 @@ def _lse_forward_kernel(
     pid_s = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_d = tl.arange(0, BLOCK_D)
     tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
 
     m_run = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -85,27 +78,11 @@ def _lse_forward_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < v_hi
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            dd = d0 + offs_d
-            mask_d = dd < D
-            e = tl.load(
-                E_ptr + offs_n[:, None] * stride_en + dd[None, :] * stride_ed,
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            # C is read as a [BLOCK_D, BLOCK_V] tile so the product needs no transpose.
-            c = tl.load(
-                C_ptr + offs_v[None, :] * stride_cv + dd[:, None] * stride_cd,
-                mask=mask_v[None, :] & mask_d[:, None],
-                other=0.0,
-            )
-            acc = tl.dot(e, c, acc, input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            b = tl.load(Bias_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-            acc = acc + b[None, :]
-        if HAS_SOFTCAP:
-            acc = softcap * _tanh(acc / softcap)
+        x = logit_tile(
+            E_ptr, C_ptr, offs_n, mask_n, offs_v, mask_v, D, stride_en, stride_ed, stride_cv, stride_cd,
+            DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D,
+        )
+        acc, _t = activate(x, Bias_ptr, offs_v, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
         z = tl.where(mask_v[None, :], acc, float("-inf"))
 
         m_new = tl.maximum(m_run, tl.max(z, axis=1))
@@ -130,11 +107,6 @@ def _lse_forward_kernel(
     tl.store(Zt_ptr + out, zt_run, mask=mask_n)
     if NEED_ZSUM:
         tl.store(Zsum_ptr + out, zsum_run, mask=mask_n)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs use true fp32 products (tf32 would cost ~1e-3 relative error)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def lse_forward(

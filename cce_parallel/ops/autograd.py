@@ -354,7 +354,6 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
         mu = comm.all_sum_(csum.clone()) / cfg.vocab_size
     finish = _DeFinisher(comm, reduce_de, a, b, u_outside, csum, mu)
     common = dict(softcap=cfg.softcap, filter_e=filter_e, filter_c=filter_c, config=kcfg)
-    db = torch.zeros(v, device=c.device, dtype=torch.int64 if acc == "fixed" else torch.float32) if bias is not None else None
 
     if kcfg.bwd_workspace_bytes:
         # The workspace backward (the default): on an H200 it was 3x (cce) to 18x ("exact") faster
@@ -368,6 +367,7 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
         # dC accumulates straight into the gradient dtype (the paper's CCE). dE goes through an fp32
         # buffer of at most bwd_de_chunk_bytes, one launch per token chunk: a row of dE gathers a
         # term from every kept tile along the vocabulary, and bf16 atomics would round at each.
+        db = torch.zeros(v, device=c.device, dtype=torch.float32) if bias is not None else None
         de = torch.empty(e.shape, device=e.device, dtype=de_dtype)
         dc = torch.zeros_like(c)
         rows = kcfg.bwd_de_chunk_bytes // (4 * max(e.shape[1], 1)) // kcfg.bwd_block_n * kcfg.bwd_block_n
@@ -388,6 +388,7 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
     else:
         fixed = acc == "fixed"
         buf_dtype = torch.int64 if fixed else torch.float32
+        db = torch.zeros(v, device=c.device, dtype=buf_dtype) if bias is not None else None
         scales = _fixed_point_scales(e, c, a, b, u, cfg.vocab_size, comm) if fixed else None
         de_buf = torch.zeros(e.shape, device=e.device, dtype=buf_dtype)
         dc = torch.empty_like(c)
@@ -478,14 +479,14 @@ def _dense_products(ws, e, c_rows, scale, de, dc_rows, db_rows):
         de.addmm_(ws, c_rows)  # fp32 inputs are never scaled
     else:
         part = torch.mm(ws, c_rows, out_dtype=torch.float32)
-        de.add_(part / scale if scale is not None else part)
+        de.add_(part.div_(scale) if scale is not None else part)
     if scale is None:
         torch.mm(ws.t(), e, out=dc_rows)
     else:
-        dc_rows.copy_(torch.mm(ws.t(), e, out_dtype=torch.float32) / scale)
+        dc_rows.copy_(torch.mm(ws.t(), e, out_dtype=torch.float32).div_(scale))
     if db_rows is not None:
         col = ws.sum(dim=0, dtype=torch.float32)
-        db_rows.copy_(col / scale if scale is not None else col)
+        db_rows.copy_(col.div_(scale) if scale is not None else col)
 
 
 @functools.lru_cache(maxsize=None)
