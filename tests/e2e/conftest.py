@@ -5,7 +5,9 @@ reference run (``tiny_reference``: the tiny recipe at TP=2, all 50 steps) is sha
 that compare against it. Runs are subprocesses; a test fails with the run's output on error.
 """
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +49,54 @@ def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=Non
     if check and done.returncode != 0:
         pytest.fail(f"training run failed (exit {done.returncode}):\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}")
     return done
+
+
+def kill_after_checkpoint(overrides, run_dir: Path, *, min_step: int, env=None, timeout: float = 240, poll: float = 0.05):
+    """Start a torchrun run and SIGKILL it, torchrun and every rank as a node failure would, once it
+    has a checkpoint and has logged step min_step: (the last step logged, the run's output)."""
+    from cce_parallel.train.metrics import read_metrics
+
+    proc = subprocess.Popen(
+        train_command(overrides), cwd=ROOT, env=env or train_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    killed_at = None
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            path = run_dir / "metrics.jsonl"
+            steps = read_metrics(path)["train"] if path.exists() else {}
+            if (run_dir / "checkpoints" / "latest").exists() and max(steps, default=0) >= min_step:
+                killed_at = max(steps)
+                break
+            time.sleep(poll)
+    finally:
+        # The ranks first: torchrun starts its workers in sessions of their own, so killing its
+        # process group would leave them running.
+        for pid in reversed([proc.pid, *_descendants(proc.pid)]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        output = proc.communicate(timeout=30)[0]
+    if killed_at is None:
+        pytest.fail(f"the run never got past step {min_step} (exit {proc.returncode}):\n{output[-4000:]}")
+    return killed_at, output
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc), parents before their children."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def base_overrides(tmp_dir: Path, data_dir: Path, name: str) -> list[str]:

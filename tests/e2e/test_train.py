@@ -1,20 +1,15 @@
 """The pretraining entry point, end to end on CPU: tiny recipe at TP=2 over gloo, TP=1 agreement,
 megatron's loss, golden losses, and a SIGKILLed run resumed from its checkpoint."""
 
-import contextlib
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.conftest import ROOT, base_overrides, run_train, train_command, train_env
+from tests.e2e.conftest import ROOT, base_overrides, kill_after_checkpoint, run_train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -107,28 +102,7 @@ def test_kill_and_resume(tiny_reference, tiny_data, runs_dir):
     _, reference, _ = tiny_reference
     run_dir = runs_dir / "killed"
     overrides = base_overrides(runs_dir, tiny_data, "killed")
-    proc = subprocess.Popen(
-        train_command(overrides), cwd=ROOT, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )
-    killed_at = None
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            path = run_dir / "metrics.jsonl"
-            steps = read_metrics(path)["train"] if path.exists() else {}
-            if (run_dir / "checkpoints" / "latest").exists() and max(steps, default=0) >= 12:
-                killed_at = max(steps)
-                break
-            time.sleep(0.05)
-    finally:
-        # torchrun and both ranks, as a node failure would (torchrun starts its workers in
-        # sessions of their own, so killing its process group would leave them running).
-        for pid in reversed([proc.pid, *_descendants(proc.pid)]):  # the ranks first
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        output = proc.communicate(timeout=30)[0]
-    assert killed_at is not None, f"the run never got past step 12 (exit {proc.returncode}):\n{output[-4000:]}"
+    killed_at, _ = kill_after_checkpoint(overrides, run_dir, min_step=12)
     assert killed_at < 20, "killed too late to test the resume from step 10"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000010"
 
@@ -141,23 +115,6 @@ def test_kill_and_resume(tiny_reference, tiny_data, runs_dir):
     assert [metrics["train"][s]["lr"] for s in steps] == [reference["train"][s]["lr"] for s in steps]
     assert metrics["eval"][20]["val_loss"] == reference["eval"][20]["val_loss"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000024"
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (Linux /proc), parents before their children."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def test_plain_start_relaunches_under_torchrun(tiny_data, runs_dir):
