@@ -28,8 +28,11 @@ class KernelConfig:
     most that many bytes and summed into dE and dC by GEMMs, with no atomics. With bwd_dense_gemm=1
     (the default) those are the library's dense GEMMs (cuBLAS, fp32 accumulation), the logits are
     recomputed the same way as the dense forward's (the budget then holds the fp32 logits and the
-    logit gradient of a chunk), and no tile is filtered, as skipping tiles would save nothing; bwd_dense_gemm=0 uses the Triton block-sparse
-    GEMMs, which skip the tiles the impl's gradient filter drops. bwd_workspace_bytes=0 selects
+    logit gradient of a chunk), and no tile is filtered, as skipping tiles would save nothing. On
+    both dense passes a chunk keeps at least dense_min_cols vocabulary columns: past that, the
+    tokens are split into blocks instead (narrower chunks make the traffic grow as N^2).
+    bwd_dense_gemm=0 uses the Triton block-sparse GEMMs, which skip the tiles the impl's gradient
+    filter drops. bwd_workspace_bytes=0 selects
     the tile-wise backward (kernels/backward.py), which needs less memory (no workspace, and for
     "cce" no fp32 dE buffer over all tokens) but is 3-18x slower on an H200. There, bwd_v_chunks is
     how many launches the buffered modes (fp32 / fixed point) split the vocabulary into, so that
@@ -55,6 +58,7 @@ class KernelConfig:
     bwd_filter_by_max: int = 0
     bwd_workspace_bytes: int = 64 << 20
     bwd_dense_gemm: int = 1
+    dense_min_cols: int = 1024
     ws_block_do: int = 128
 
     def __post_init__(self):
@@ -73,6 +77,7 @@ INTERPRETER_CONFIG = KernelConfig(
     fwd_block_n=16, fwd_block_v=64, fwd_block_d=32, fwd_programs=8, fwd_num_warps=4, fwd_num_stages=1,
     bwd_block_n=16, bwd_block_v=64, bwd_block_d=32, bwd_group_n=2, bwd_num_warps=4, bwd_num_stages=1,
     bwd_v_chunks=3, bwd_de_chunk_bytes=4096, bwd_workspace_bytes=6000, ws_block_do=32, fwd_chunk_bytes=6000,
+    dense_min_cols=64,
 )
 
 

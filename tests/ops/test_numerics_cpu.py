@@ -14,6 +14,7 @@ in fp32), which costs at most ~V * 2**-28 of the probability mass, so 1e-4 is am
 import math
 import dataclasses
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -431,3 +432,45 @@ def test_dense_forward_chunks_and_slices_match_oracle(chunk_bytes, device, monke
     if chunk_bytes > 6000:
         assert stats_slices(n, vc, dataclasses.replace(INTERPRETER_CONFIG, fwd_programs=64), False) > 1
     check_case(case, "cce", device)
+
+
+@pytest.mark.parametrize(
+    "chunk_bytes, min_cols, rows",
+    [(1 << 20, 64, (38, 38)), (6000, 64, (19, 10)), (6000, 1 << 20, (2, 1))],
+    ids=["one-token-block", "blocks", "smallest-blocks"],
+)
+def test_dense_token_blocks_match_oracle(chunk_bytes, min_cols, rows, device, monkeypatch):
+    """The dense path with the tokens in one block, in several, and in blocks of one or two: the forward
+    folds its partials as it goes, the backward sums dC over the blocks in fp32."""
+    from cce_parallel.ops.autograd import dense_blocks
+
+    fields = {"fwd_chunk_bytes": chunk_bytes, "bwd_workspace_bytes": chunk_bytes, "dense_min_cols": min_cols}
+    fields.update(fwd_block_v=64, bwd_block_v=64)
+    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", json.dumps(fields))
+    case = CASES["everything-3d"]
+    n = math.prod(case.inputs(device)["targets"].shape)
+    assert n == 38
+    fwd = dense_blocks(n, V, chunk_bytes, 4, 64, min_cols)
+    bwd = dense_blocks(n, V, chunk_bytes, 4 + 4, 64, min_cols)
+    assert (fwd[0], bwd[0]) == rows
+    check_case(case, "cce_kahan_full_c", device)
+    check_case(CASES["strided-views"], "exact", device)
+
+
+def test_dense_blocks_keep_chunks_wide():
+    """At the default budget, the chunk width stays at least dense_min_cols however many tokens there
+    are (the token blocks shrink instead), within the budget, the blocks equal and covering all tokens."""
+    from cce_parallel.kernels.config import KernelConfig
+    from cce_parallel.ops.autograd import dense_blocks
+
+    k = KernelConfig()
+    for n in (1, 1000, 8192, 10000, 16384, 65536, 1 << 20):
+        for bytes_per_logit, budget in ((4, k.fwd_chunk_bytes), (6, k.bwd_workspace_bytes)):
+            rows, cols = dense_blocks(n, 256000, budget, bytes_per_logit, 128, k.dense_min_cols)
+            assert cols >= k.dense_min_cols and cols % 128 == 0
+            assert rows * cols * bytes_per_logit <= budget
+            blocks = -(-n // rows)
+            assert rows <= n and (blocks - 1) * rows < n <= blocks * rows
+            if n * k.dense_min_cols * bytes_per_logit <= budget:
+                assert rows == n
+    assert dense_blocks(8192, 256000, 64 << 20, 6, 128, 1024) == (8192, 1280)  # as before blocks existed
