@@ -409,11 +409,11 @@ def render_markdown(data: dict) -> str:
             f"- device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
             f"CUDA {meta.get('cuda')}, Python {meta.get('python')}"
         ),
-        f"- commit: `{meta['git_commit']}`; date: {meta['date']}",
-        f"- command: `{meta['command']}`",
     ]
     if meta.get("sources"):
-        lines.append(f"- merged from: {', '.join(meta['sources'])}")
+        lines.append(f"- merged from: {'; '.join(meta['sources'])} (each file's command is in its own report)")
+    else:
+        lines += [f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta['command']}`"]
     sq = data.get("square_matmul")
     if sq and "tflops" in sq:
         lines.append(f"- cuBLAS bf16 {sq['n']}³ matmul: {sq['tflops']:.0f} TFLOP/s")
@@ -734,8 +734,9 @@ def render_png(data: dict, path: Path) -> str | None:
     fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
     meta = data["meta"]
     fig.suptitle(
-        f"{meta['device']} · torch {meta['torch']} · triton {meta['triton']} · {meta['git_commit'][:12]} · "
-        f"{meta['date'][:10]}",
+        f"{meta['device']} · torch {meta['torch']} · triton {meta['triton']} · "
+        + (f"merged from {len(meta['sources'])} runs" if meta.get("sources") else meta["git_commit"][:12])
+        + f" · {meta['date'][:10]}",
         fontsize=10,
     )
     legend_in = 0.25 * math.ceil(len(handles) / 4) + 0.2  # legend height in inches
@@ -844,7 +845,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def render_only(args) -> int:
     datas = [json.loads(Path(f).read_text()) for f in args.render]
     merged: dict = {"meta": dict(datas[0]["meta"]), "cases": []}
-    merged["meta"]["sources"] = [Path(f).name for f in args.render]
+    merged["meta"]["sources"] = [
+        f"{Path(f).name} (commit {d['meta'].get('git_commit')}, {d['meta'].get('date')})" for f, d in zip(args.render, datas)
+    ]
     for d in datas:
         if d.get("square_matmul"):
             merged["square_matmul"] = d["square_matmul"]
