@@ -211,3 +211,25 @@ def test_cce_peak_memory(backward, monkeypatch):
         f"{grads / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB"
     )
     assert peak <= budget, f"peak {peak / 2**20:.1f} MiB > budget {budget / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_token_blocks_no_worse_than_plain_pytorch(dtype, monkeypatch):
+    """The dense path with its tokens split into blocks (4 MB budgets: 4 forward blocks, 7 backward
+    blocks of 586 tokens), every option and a bias; for fp16 the scaled dC sum and dbias too."""
+    from cce_parallel.kernels.config import KernelConfig
+    from cce_parallel.ops.autograd import dense_blocks
+
+    budget = 4 << 20
+    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", f'{{"fwd_chunk_bytes": {budget}, "bwd_workspace_bytes": {budget}}}')
+    case = CASE_BY_NAME["all-options-32k"]
+    k = KernelConfig()
+    assert dense_blocks(case.n, case.vocab, budget, 4, k.fwd_block_v, k.dense_min_cols)[0] < case.n
+    assert dense_blocks(case.n, case.vocab, budget, 2 + 4, k.bwd_block_v, k.dense_min_cols)[0] < case.n
+    inputs, grad_loss, grad_lse, ref, plain_errs = reference(case.name, dtype)
+    options = dict(case.opts, impl="cce_kahan_full_c")
+    out = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
+    errs = errors(out, ref)
+    show(f"token blocks {dtype}", errs, plain_errs)
+    bad = {k: v for k, v in errs.items() if not v <= plain_errs[k] + EPS[k]}
+    assert not bad, f"worse than plain PyTorch in {dtype} by more than {EPS}: {bad} vs {plain_errs}"
