@@ -478,6 +478,20 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
     return de, dc, db.to(bias.dtype) if db is not None else None
 
 
+def _workspace_outputs(e, c, bias, a, b, u_in):
+    """(dE fp32 accumulator, dC, dbias fp32 or None, scale, scale as a tensor) of the workspace paths.
+
+    Only fp16 needs the workspace scaled (its range): scale is then a power of two (a one-element
+    tensor), else None, and the GEMMs need no rescale (the tensor form is 1)."""
+    from cce_parallel import kernels
+
+    f32 = dict(device=e.device, dtype=torch.float32)
+    db = torch.zeros(c.shape[0], **f32) if bias is not None else None
+    scale = kernels.ws_scale(a, b, u_in) if e.dtype == torch.float16 else None
+    one = torch.ones(1, **f32) if scale is None else scale
+    return torch.zeros(e.shape, **f32), torch.empty_like(c), db, scale, one
+
+
 def _workspace_backward(e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, filter_e, filter_c, cfg, finish):
     """The workspace backward (kernels/backward_ws.py): one chunk of vocabulary positions at a time,
     no atomics; dE in an fp32 buffer, dC and dbias written once per row."""
@@ -486,18 +500,12 @@ def _workspace_backward(e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, fil
     if cfg.dense_backward:
         return _dense_backward(e, c, bias, targets, lse, a, b, u_in, cfg, finish)
     kcfg = cfg.kernel
-    n, d = e.shape
-    v = c.shape[0]
+    n, v = e.shape[0], c.shape[0]
     bn, bv = kcfg.bwd_block_n, kcfg.bwd_block_v
     vc = logit_chunk(n, v, kcfg.bwd_workspace_bytes, e.element_size(), bv)
     ws = torch.empty((n, vc), device=e.device, dtype=e.dtype)
     mask = torch.empty((-(-n // bn), vc // bv), device=e.device, dtype=torch.int8)
-    de = torch.zeros((n, d), device=e.device, dtype=torch.float32)
-    dc = torch.empty_like(c)
-    db = torch.empty(v, device=c.device, dtype=torch.float32) if bias is not None else None
-    # Only fp16 needs the workspace scaled (its range); 1 elsewhere, so the GEMMs need no rescale.
-    scale = kernels.ws_scale(a, b, u_in) if e.dtype == torch.float16 else None
-    one = torch.ones(1, device=e.device, dtype=torch.float32) if scale is None else scale
+    de, dc, db, scale, one = _workspace_outputs(e, c, bias, a, b, u_in)
     for lo in range(0, v, vc):
         hi = min(v, lo + vc)
         kernels.cce_backward_ws(
@@ -525,12 +533,7 @@ def _dense_backward(e, c, bias, targets, lse, a, b, u_in, cfg, finish):
     ws = torch.empty((nt, vc), device=e.device, dtype=e.dtype)
     x = torch.empty((nt, vc), device=e.device, dtype=torch.float32)
     dc_sum = torch.empty((vc, d), device=e.device, dtype=torch.float32) if split else None
-    de = torch.zeros((n, d), device=e.device, dtype=torch.float32)
-    dc = torch.empty_like(c)
-    db = torch.zeros(v, device=c.device, dtype=torch.float32) if bias is not None else None
-    # Only fp16 needs the workspace scaled (its range); 1 elsewhere, so the GEMMs need no rescale.
-    scale = kernels.ws_scale(a, b, u_in) if e.dtype == torch.float16 else None
-    one = torch.ones(1, device=e.device, dtype=torch.float32) if scale is None else scale
+    de, dc, db, scale, one = _workspace_outputs(e, c, bias, a, b, u_in)
     for lo in range(0, v, vc):
         hi = min(v, lo + vc)
         for t0 in range(0, n, nt):
