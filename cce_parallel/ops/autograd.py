@@ -197,14 +197,12 @@ class _Partials:
     def reserve(self, k: int) -> int:
         """The first of k free rows."""
         if self.used + k > self.mx.shape[0]:
-            mx, se, zt, zsum = self.rows()
-            m = mx.max(dim=0).values
-            safe = torch.where(torch.isfinite(m), m, 0.0)
-            self.se[0] = (se * torch.exp(mx - safe)).sum(dim=0)
+            mx = self.rows()[0]
+            m = mx.max(dim=0).values  # the true max: _combine's is 0 where it is not finite
+            _, self.se[0], self.zt[0], zsum = _combine(*self.rows(), SINGLE, dim=0)
             self.mx[0] = m
-            self.zt[0] = zt.sum(dim=0)
             if zsum is not None:
-                self.zsum[0] = zsum.sum(dim=0)
+                self.zsum[0] = zsum
             self.used = 1
         first, self.used = self.used, self.used + k
         return first
@@ -408,10 +406,14 @@ def triton_backward(e, c, bias, targets, lse, zt, a, b, u, perm, cfg: LossConfig
     finish = _DeFinisher(comm, reduce_de, a, b, u_outside, csum, mu)
     common = dict(softcap=cfg.softcap, filter_e=filter_e, filter_c=filter_c, config=kcfg)
 
-    if kcfg.bwd_workspace_bytes:
-        # The workspace backward (the default): on an H200 it was 3x (cce) to 18x ("exact") faster
+    if cfg.dense_backward:
+        # The default: library GEMMs, nothing filtered, nothing atomic (benchmarks/results/NOTES.md).
+        de, dc, db = _dense_backward(e, c, bias, targets, lse, a, b, uniform_in_kernel, cfg, finish)
+        de = de.to(de_dtype)
+    elif kcfg.bwd_workspace_bytes:
+        # The block-sparse workspace backward: on an H200 it was 3x (cce) to 18x ("exact") faster
         # than the tile-wise paths below, and deterministic for every impl, as nothing in it is
-        # atomic (benchmarks/results/NOTES.md). dC is summed in fp32 registers and rounded once.
+        # atomic. dC is summed in fp32 registers and rounded once.
         de, dc, db = _workspace_backward(
             e, c, bias, targets, lse, a, b, uniform_in_kernel, thr, perm, mu, filter_e, filter_c, cfg, finish
         )
@@ -493,12 +495,10 @@ def _workspace_outputs(e, c, bias, a, b, u_in):
 
 
 def _workspace_backward(e, c, bias, targets, lse, a, b, u_in, thr, perm, mu, filter_e, filter_c, cfg, finish):
-    """The workspace backward (kernels/backward_ws.py): one chunk of vocabulary positions at a time,
-    no atomics; dE in an fp32 buffer, dC and dbias written once per row."""
+    """The block-sparse workspace backward (kernels/backward_ws.py): one chunk of vocabulary
+    positions at a time, no atomics; dE in an fp32 buffer, dC and dbias written once per row."""
     from cce_parallel import kernels
 
-    if cfg.dense_backward:
-        return _dense_backward(e, c, bias, targets, lse, a, b, u_in, cfg, finish)
     kcfg = cfg.kernel
     n, v = e.shape[0], c.shape[0]
     bn, bv = kcfg.bwd_block_n, kcfg.bwd_block_v
