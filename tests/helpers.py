@@ -118,12 +118,17 @@ def peaked_inputs(
     }
 
 
-def upstream(targets, reduction, return_lse, *, seed=1):
-    """Random upstream gradients: for the loss (scalar or shaped like targets) and for lse or None."""
+def upstream(targets, reduction, return_lse, *, seed=1, uniform=False, ignore_index=-100):
+    """Random upstream gradients: for the loss (scalar or shaped like targets) and for lse or None.
+
+    uniform: with reduction "none", one random number on every kept token and 0 on ignored ones,
+    as Megatron's loss_mask / count gives (the one-pass path's scalable case)."""
     g = generator(targets.device, seed)
     dev = targets.device
     shape = targets.shape if reduction == "none" else ()
     grad_loss = torch.randn(shape, generator=g, device=dev)
+    if uniform and reduction == "none":
+        grad_loss = torch.where(targets != ignore_index, grad_loss.reshape(-1)[0], 0.0)
     grad_lse = torch.randn(targets.shape, generator=g, device=dev) if return_lse else None
     return grad_loss, grad_lse
 

@@ -32,7 +32,7 @@ class Outputs(NamedTuple):
 
 
 def _options(ignore_index=-100, softcap=None, label_smoothing=0.0, z_loss=0.0, reduction="mean", **_ignored):
-    # Keyword options of linear_cross_entropy that the references do not use (impl, filter_eps,
+    # Keyword options of linear_cross_entropy that the references do not use (impl, logits_budget,
     # return_lse) are dropped here, so callers can pass one options dict to both sides.
     return ignore_index, softcap, label_smoothing, z_loss, reduction
 

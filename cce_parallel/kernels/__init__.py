@@ -1,19 +1,22 @@
 """Triton kernels only: no autograd, no torch.distributed."""
 
-from cce_parallel.kernels.backward import cce_backward
-from cce_parallel.kernels.backward_ws import cce_backward_ws, ws_scale
-from cce_parallel.kernels.from_logits import dz_from_logits, stats_from_logits, stats_slices
 from cce_parallel.kernels.config import KernelConfig, default_config
-from cce_parallel.kernels.lse_forward import lse_forward
+from cce_parallel.kernels.from_logits import (
+    dz_from_logits,
+    dz_rows_in_place,
+    grad_scale,
+    probs_rows_in_place,
+    stats_from_logits,
+    stats_slices,
+)
 
 __all__ = [
     "KernelConfig",
-    "cce_backward",
-    "cce_backward_ws",
     "default_config",
     "dz_from_logits",
-    "lse_forward",
+    "dz_rows_in_place",
+    "grad_scale",
+    "probs_rows_in_place",
     "stats_from_logits",
     "stats_slices",
-    "ws_scale",
 ]

@@ -1,22 +1,30 @@
-"""CCE statistics and logit gradient from an fp32 chunk of logits (the dense-GEMM path).
+"""CCE statistics and logit gradients from fp32 logits that a library GEMM wrote.
 
-The caller computes one vocabulary chunk of logits at a time with a library GEMM that accumulates
-and writes fp32, X [N, Vc] = E @ C[v_lo:v_hi]^T, into a buffer of bounded size (never the whole
-[N, V]); these kernels then make one pass over it:
+The caller computes logits with a library GEMM that accumulates and writes fp32,
+X = E[tokens] @ C[v_lo:v_hi]^T, into a buffer of bounded size (never the whole [N, V] unless it fits
+the budget); these kernels then make one pass over it:
 
-  _stats_from_logits_kernel, grid (cdiv(N, BLOCK_N),): for each row, over the chunk's columns,
-      z = softcap * tanh((x + bias) / softcap) (or x + bias), and the chunk's partials
-      max, sumexp (relative to that max), zt (the target's z if the target is in the chunk) and
-      zsum; written to row `split` of [S, N] outputs, so the caller folds the S chunks as it folds
-      the Triton forward's vocabulary splits (ops/autograd.py _combine).
+  _stats_from_logits_kernel, grid (cdiv(N, BLOCK_N), slices): for each row, over a slice of the
+      chunk's columns, z = softcap * tanh((x + bias) / softcap) (or x + bias), and the partials
+      max, sumexp (relative to that max), zt (the target's z if the target is in the slice) and
+      zsum; written to row `split + slice` of [S, N] outputs, which ops/autograd.py folds.
   _dz_from_logits_kernel, grid (cdiv(N, BLOCK_N), cdiv(Vc, BLOCK_V)): the loss gradient w.r.t. the
       logits, dz = A p - B [v == target] - U (times the softcap's 1 - tanh^2), p = exp(z - lse),
-      written in the input dtype to the workspace the two gradient GEMMs read.
+      written in the input dtype to a separate workspace (the two-pass "lean" backward).
+  _probs_rows_kernel, grid (cdiv(N, BLOCK_N),): the one-pass path's single pass over a block of
+      tokens: p' = exp(z - ref) with a per-row offset `ref` known beforehand (the target's logit),
+      written IN PLACE over the logits as W = p' (times the softcap's 1 - tanh^2), and per row
+      sum p', z at the target and sum z. The caller turns W into the logit gradient by per-row
+      scalars (dz = A W / sum p' - B [v == target]), so no statistics pass is needed first.
+  _dz_rows_kernel, grid (cdiv(N, BLOCK_N),): the same dz, written IN PLACE over the fp32 logits
+      (the one-pass path): row n's gradient, in the gradient dtype, takes the first bytes of row
+      n's own logits, so the buffer serves as both and the GEMMs read dz with row stride
+      stride_xn * 4 / itemsize. Each program walks its rows left to right, so a store only
+      overwrites logits that this program has already read (see the kernel for why that holds).
 
-Why: the logit GEMM then runs at the library's throughput (~690 TFLOP/s on an H200, against
-~430 for the fused Triton tiles), and the extra pass reads 4 bytes per logit. Precision is the
-fused kernels': products accumulate in fp32 and z is never rounded before exp.
-Offsets are int64 (N * Vc can pass 2**31 for a large chunk).
+Why: the logit GEMM runs at the library's throughput (~690 TFLOP/s on an H200, against ~430 for
+fused Triton tiles), and the passes read 4 bytes per logit. Precision: products accumulate in fp32
+and z is never rounded before exp. Offsets are int64 (N * V passes 2**31 for large buffers).
 """
 
 import torch
@@ -125,6 +133,104 @@ def _dz_from_logits_kernel(
     tl.store(WS_ptr + offs_n[:, None] * stride_wn + local[None, :], dz.to(WS_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _probs_rows_kernel(
+    X_ptr,  # [N, >= V] fp32 logits (without bias); read, then overwritten by W in G_DTYPE
+    Bias_ptr,  # [V] bias (dummy unless HAS_BIAS)
+    Tgt_ptr,  # [N] int64 target row in this shard, outside [0, V) when not here
+    Ref_ptr,  # [N] fp32 offset of each row's exponent (exp(z - ref) must not overflow)
+    Sum_ptr,  # [N] fp32 out: sum_v exp(z - ref)
+    Zt_ptr,  # [N] fp32 out: z at the target (0 if not in this shard)
+    Zsum_ptr,  # [N] fp32 out: sum of z (dummy unless NEED_ZSUM)
+    softcap,
+    N,
+    V,
+    stride_xn,  # row stride of X in fp32 elements; W row n starts at the same byte
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    NEED_ZSUM: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    G_PER_F32: tl.constexpr,  # elements of G_DTYPE per fp32 element: 1 or 2
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # In place, as in _dz_rows_kernel (see there why the barrier makes it safe).
+    pid = tl.program_id(0).to(tl.int64)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    g_ptr = X_ptr.to(tl.pointer_type(G_DTYPE), bitcast=True)
+    g_row = offs_n * (stride_xn * G_PER_F32)
+    ref = tl.load(Ref_ptr + offs_n, mask=mask_n, other=0.0)
+    tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
+    s_run = tl.zeros([BLOCK_N], tl.float32)
+    zt_run = tl.zeros([BLOCK_N], tl.float32)
+    zsum_run = tl.zeros([BLOCK_N], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        rows = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        mask_v = rows < V
+        m = mask_n[:, None] & mask_v[None, :]
+        x = tl.load(X_ptr + offs_n[:, None] * stride_xn + rows[None, :], mask=m, other=0.0)
+        z, t = activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+        p = tl.where(m, tl.exp(z - ref[:, None]), 0.0)
+        s_run += tl.sum(p, axis=1)
+        zt_run += tl.sum(tl.where((rows[None, :] == tgt[:, None]) & m, z, 0.0), axis=1)
+        if NEED_ZSUM:
+            zsum_run += tl.sum(tl.where(m, z, 0.0), axis=1)
+        if HAS_SOFTCAP:
+            p = p * (1.0 - t * t)
+        tl.debug_barrier()
+        tl.store(g_ptr + g_row[:, None] + rows[None, :], p.to(G_DTYPE), mask=m)
+    tl.store(Sum_ptr + offs_n, s_run, mask=mask_n)
+    tl.store(Zt_ptr + offs_n, zt_run, mask=mask_n)
+    if NEED_ZSUM:
+        tl.store(Zsum_ptr + offs_n, zsum_run, mask=mask_n)
+
+
+@triton.jit
+def _dz_rows_kernel(
+    X_ptr,  # [N, >= V] fp32 logits (without bias); read, then overwritten by dz in G's dtype
+    Bias_ptr,  # [V] bias (dummy unless HAS_BIAS)
+    Tgt_ptr,  # [N] int64 target row in this shard, outside [0, V) when not here
+    Lse_ptr,  # [N] fp32 global log-sum-exp
+    A_ptr,  # [N] fp32 coefficient of p
+    B_ptr,  # [N] fp32 coefficient of the one-hot target
+    U_ptr,  # [N] fp32 uniform coefficient (dummy unless HAS_UNIFORM)
+    Scale_ptr,  # [1] fp32 power of two dz is scaled by
+    softcap,
+    N,
+    V,
+    stride_xn,  # row stride of X in fp32 elements; dz row n starts at the same byte
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_UNIFORM: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    G_PER_F32: tl.constexpr,  # elements of G_DTYPE per fp32 element: 1 or 2
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # In place: dz column v of row n is stored at byte 4 * stride_xn * n + size(G_DTYPE) * v. Tile j
+    # of a row stores into bytes that hold logits of tiles <= j, never of a later tile. The barrier
+    # before each store makes every thread of the program finish reading tile j (and the compiler
+    # keep loads above it) before any thread overwrites it, whatever the warps and the vector width.
+    # Rows never share bytes, so programs are independent.
+    pid = tl.program_id(0).to(tl.int64)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    g_ptr = X_ptr.to(tl.pointer_type(G_DTYPE), bitcast=True)
+    g_row = offs_n * (stride_xn * G_PER_F32)
+    scale = tl.load(Scale_ptr)
+    for v0 in range(0, V, BLOCK_V):
+        rows = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        mask_v = rows < V
+        m = mask_n[:, None] & mask_v[None, :]
+        x = tl.load(X_ptr + offs_n[:, None] * stride_xn + rows[None, :], mask=m, other=0.0)
+        z, t = activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+        p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
+        dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP) * scale
+        tl.debug_barrier()
+        tl.store(g_ptr + g_row[:, None] + rows[None, :], dz.to(G_DTYPE), mask=m)
+
+
 # The statistics pass is bound by reading the fp32 chunk: short row blocks give enough programs.
 STATS_BLOCK_N = 16
 STATS_BLOCK_V = 256
@@ -189,3 +295,76 @@ def dz_from_logits(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, *, 
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
         BLOCK_N=bn, BLOCK_V=bv, num_warps=config.bwd_num_warps,
     )
+
+
+def dz_rows_in_place(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, grad_dtype, *, softcap, config):
+    """Overwrite the fp32 logits x [N, >= V] (columns = rows 0..V-1 of the shard, V = len of the
+    targets' shard: x.shape[1] unless the caller passes a narrower view) with scale * d loss / d z
+    in grad_dtype, in place, and return that [N, V] view of x's memory (row stride in grad_dtype
+    elements: x.stride(0) * 4 / itemsize)."""
+    N, V = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError("x must be fp32 with unit column stride")
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError("scale must be a one-element fp32 tensor")
+    ratio = 4 // _itemsize(grad_dtype)
+    g = _grad_view(x, grad_dtype)
+    if N == 0 or V == 0:
+        return g
+    dummy = lse
+    _dz_rows_kernel[(triton.cdiv(N, config.rows_block_n),)](
+        x, bias if bias is not None else dummy, targets, lse, coef_a, coef_b,
+        coef_u if coef_u is not None else dummy, scale, float(softcap) if softcap is not None else 1.0,
+        N, V, x.stride(0),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
+        G_DTYPE=_TL_DTYPES[grad_dtype], G_PER_F32=ratio, BLOCK_N=config.rows_block_n, BLOCK_V=config.rows_block_v,
+        num_warps=config.rows_num_warps,
+    )
+    return g
+
+
+def probs_rows_in_place(x, bias, targets, ref, grad_dtype, *, softcap, need_zsum, config):
+    """Overwrite the fp32 logits x [N, V] with W = exp(z - ref) (times 1 - tanh^2 with softcap) in
+    grad_dtype, in place; return (W, the [N, V] view of x's memory, sum_v exp(z - ref), z at the
+    target, sum_v z or None), the last three fp32 [N]."""
+    N, V = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError("x must be fp32 with unit column stride")
+    g = _grad_view(x, grad_dtype)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    alloc = torch.empty if N and V else torch.zeros  # the kernel writes every row
+    s, zt = alloc(N, **f32), alloc(N, **f32)
+    zsum = alloc(N, **f32) if need_zsum else None
+    if N == 0 or V == 0:
+        return g, s, zt, zsum
+    _probs_rows_kernel[(triton.cdiv(N, config.rows_block_n),)](
+        x, bias if bias is not None else s, targets, ref, s, zt, zsum if zsum is not None else s,
+        float(softcap) if softcap is not None else 1.0, N, V, x.stride(0),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=need_zsum,
+        G_DTYPE=_TL_DTYPES[grad_dtype], G_PER_F32=4 // _itemsize(grad_dtype), BLOCK_N=config.rows_block_n,
+        BLOCK_V=config.rows_block_v, num_warps=config.rows_num_warps,
+    )
+    return g, s, zt, zsum
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _grad_view(x, grad_dtype):
+    """x's memory seen as grad_dtype [N, V]: row n starts at the same byte, columns 0..V-1 first."""
+    return x if grad_dtype == torch.float32 else x.view(grad_dtype)[:, : x.shape[1]]
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def grad_scale(coef_a, coef_b, coef_u=None):
+    """[1] fp32 power of two 2**-floor(log2(max |coefficient|)), clamped to 2**[-60, 60], on device
+    (no host sync). fp16 logit gradients are stored times this, so that the small probabilities of a
+    large vocabulary stay above fp16's subnormals while the largest stays below its maximum."""
+    parts = [coef_a.abs().amax(), coef_b.abs().amax()]
+    if coef_u is not None:
+        parts.append(coef_u.abs().amax())
+    top = torch.stack(parts).amax().float().clamp(2.0**-60, 2.0**60)
+    return torch.exp2(-torch.floor(torch.log2(top))).reshape(1)

@@ -1,9 +1,7 @@
 """Tile-level pieces the CCE kernels share (Triton device functions, inlined where they are called).
 
-Notation as in backward.py: for a [BLOCK_N, BLOCK_V] tile of token rows offs_n and classifier
-rows `rows`,
+For a [BLOCK_N, BLOCK_V] tile of fp32 logits x (token rows offs_n, classifier rows `rows`):
 
-    x  = E[offs_n] . C[rows]^T                      (logit_tile, fp32 accumulation)
     z  = softcap * tanh((x + bias) / softcap)       (activate; z = x + bias without softcap)
     p  = exp(z - lse)                               (probs_tile)
     dz = (A p - B [v == target] - U) * (1 - tanh^2) (logit_grad)
@@ -11,56 +9,26 @@ rows `rows`,
 All offsets the callers pass are int64.
 """
 
-import torch
 import triton
 import triton.language as tl
+
+# Below this |y| tanh is evaluated by its odd series: the exp form (1 - t) / (1 + t) cancels there
+# (at y = 1e-5 it keeps ~3 correct digits), which made huge softcaps (1e5 .. 1e30, i.e. softcap
+# "off") give wrong losses. At the switch the series' first omitted term, 62/2835 y^9, is ~1e-9 of y.
+_TANH_SERIES_BELOW = tl.constexpr(0.125)
 
 
 @triton.jit
 def tanh(y):
-    # tanh via exp(-2|y|): never overflows and needs no libdevice (works under TRITON_INTERPRET).
-    t = tl.exp(-2.0 * tl.abs(y))
-    r = (1.0 - t) / (1.0 + t)
+    # Large |y|: tanh via exp(-2|y|), which never overflows and needs no libdevice (so it runs
+    # under TRITON_INTERPRET). Small |y|: y - y^3/3 + 2y^5/15 - 17y^7/315 (Horner in y^2).
+    a = tl.abs(y)
+    t = tl.exp(-2.0 * a)
+    big = (1.0 - t) / (1.0 + t)
+    y2 = a * a
+    small = a * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
+    r = tl.where(a < _TANH_SERIES_BELOW, small, big)
     return tl.where(y < 0, -r, r)
-
-
-@triton.jit
-def logit_tile(
-    E_ptr,
-    C_ptr,
-    offs_n,
-    mask_n,
-    rows,
-    mask_v,
-    D,
-    stride_en,
-    stride_ed,
-    stride_cv,
-    stride_cd,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """E[offs_n] @ C[rows]^T over D in BLOCK_D steps, fp32 accumulation; masked entries are 0."""
-    offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + offs_d
-        mask_d = dd < D
-        e = tl.load(
-            E_ptr + offs_n[:, None] * stride_en + dd[None, :] * stride_ed,
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        # C is read as a [BLOCK_D, BLOCK_V] tile so the product needs no transpose.
-        c = tl.load(
-            C_ptr + rows[None, :] * stride_cv + dd[:, None] * stride_cd,
-            mask=mask_v[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        acc = tl.dot(e, c, acc, input_precision=DOT_PRECISION)
-    return acc
 
 
 @triton.jit
@@ -100,22 +68,3 @@ def logit_grad(
     if HAS_SOFTCAP:
         dz = dz * (1.0 - t * t)
     return dz
-
-
-@triton.jit
-def keep_tile(p, is_t, Thr_ptr, offs_n, mask_n, BY_MAX: tl.constexpr):
-    """Whether a tile survives gradient filtering: it holds a target, or some row's probability mass
-    in it (its largest probability with BY_MAX) reaches that row's threshold (see backward.py)."""
-    thr = tl.load(Thr_ptr + offs_n, mask=mask_n, other=float("inf"))
-    if BY_MAX:
-        row_p = tl.max(p, axis=1)
-    else:
-        row_p = tl.sum(p, axis=1)
-    big_p = tl.max(row_p - thr, axis=0) >= 0
-    has_t = tl.max(tl.max(is_t.to(tl.int32), axis=1), axis=0) > 0
-    return big_p | has_t
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs use true fp32 products (tf32 would cost ~1e-3 relative error)."""
-    return "ieee" if dtype == torch.float32 else "tf32"

@@ -7,7 +7,7 @@ import math
 import os
 import warnings
 from numbers import Real
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -16,31 +16,28 @@ from cce_parallel.ops.autograd import IMPL_TRAITS, SINGLE, Collectives, LinearCr
 IMPLS = tuple(IMPL_TRAITS)
 REDUCTIONS = ("none", "sum", "mean")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Mantissa bits per dtype: filtering keeps a probability unless it is below 2**-(bits + 5), the
-# paper's 2**-12 for bf16 (a value that small vanishes when added to one of 2**-5 or more).
-_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+# The one-pass path's fp32 logits per token block. Measured on an H100 and an H200 (README,
+# "Performance"): larger blocks mean fewer, larger GEMMs and fewer passes over dC.
+DEFAULT_LOGITS_BUDGET = 2 << 30
 
 _warned_fallback = set()
-
-
-def auto_filter_eps(dtype: torch.dtype) -> float:
-    return 2.0 ** -(_MANTISSA_BITS[dtype] + 5)
 
 
 def _is_real(x) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool)
 
 
-def _resolve_filter_eps(filter_eps, dtype) -> Optional[float]:
-    if filter_eps is None:
-        return None
-    if isinstance(filter_eps, str):
-        if filter_eps != "auto":
-            raise ValueError(f"filter_eps must be 'auto', a float in [0, 1) or None, got {filter_eps!r}")
-        return auto_filter_eps(dtype)
-    if not _is_real(filter_eps) or not (0.0 <= float(filter_eps) < 1.0):
-        raise ValueError(f"filter_eps must be 'auto', a float in [0, 1) or None, got {filter_eps!r}")
-    return float(filter_eps) if filter_eps > 0 else None
+def resolve_logits_budget(budget) -> int:
+    """Bytes of the one-pass logits buffer: "auto" (the default), "lean" or 0 (the two-pass path),
+    or a positive int."""
+    if budget == "auto":
+        return DEFAULT_LOGITS_BUDGET
+    if budget == "lean":
+        return 0
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise ValueError(f"logits_budget must be 'auto', 'lean' or a number of bytes >= 0, got {budget!r}")
+    return budget
 
 
 def _triton_usable(impl: str, device: torch.device) -> bool:
@@ -66,7 +63,8 @@ def _triton_usable(impl: str, device: torch.device) -> bool:
 
 
 def check_inputs(
-    e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl, row_ranks=1
+    e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl, logits_budget="auto",
+    row_ranks=1,
 ):
     """Raise a clear error for any malformed argument (no tensor data is read here).
 
@@ -89,6 +87,7 @@ def check_inputs(
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    resolve_logits_budget(logits_budget)
 
     if e.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"e must be float32, float16 or bfloat16, got dtype {e.dtype}")
@@ -145,7 +144,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     reduction: str = "mean",
     impl: str = "cce",
-    filter_eps: Union[str, float, None] = "auto",
+    logits_budget: Union[str, int] = "auto",
     return_lse: bool = False,
 ):
     """Cross-entropy of the logits e @ c.T (+ bias) without materializing them, on one device.
@@ -161,7 +160,9 @@ def linear_cross_entropy(
         z_loss: adds z_loss * lse**2 per token.
         reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
         impl: one of IMPLS (see the README's table).
-        filter_eps: gradient-filter threshold for the filtering impls: "auto", a float or None.
+        logits_budget: bytes of fp32 logits per token block when gradients are computed in the
+            forward (the one-pass path): "auto" (2 GiB), a number of bytes, or "lean" / 0 for the
+            two-pass path that recomputes the logits in the backward (about 100 MB above dE + dC).
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
 
@@ -170,7 +171,7 @@ def linear_cross_entropy(
     """
     return sharded_linear_cross_entropy(
         e, c, targets, bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
-        z_loss=z_loss, reduction=reduction, impl=impl, filter_eps=filter_eps, return_lse=return_lse,
+        z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, return_lse=return_lse,
     )
 
 
@@ -186,24 +187,31 @@ def sharded_linear_cross_entropy(
     z_loss=0.0,
     reduction="mean",
     impl="cce",
-    filter_eps="auto",
+    logits_budget="auto",
     return_lse=False,
     comm: Collectives = SINGLE,
     vocab_start: int = 0,
     vocab_size: Optional[int] = None,
     sequence_parallel: bool = False,
     world: int = 1,
+    c_main_grad: Optional[Callable[[], torch.Tensor]] = None,
+    largest_shard: Optional[int] = None,
 ):
     """`linear_cross_entropy` where c holds rows [vocab_start, vocab_start + V_shard) of a
     vocab_size vocabulary and `comm` reaches the ranks holding the rest (parallel/ builds those).
 
     With sequence_parallel, e holds this rank's 1/world of the rows (dim 0) that targets covers.
+    largest_shard: the most classifier rows any rank holds; it sets the one-pass token blocks, which
+    must be the same on every rank (their statistics are all-reduced block by block).
+    c_main_grad: a callable returning a buffer like c into which dC is added in the backward
+    (Megatron's gradient-accumulation fusion); c then gets no gradient.
     """
     check_inputs(
         e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
-        z_loss=z_loss, reduction=reduction, impl=impl, row_ranks=world if sequence_parallel else 1,
+        z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget,
+        row_ranks=world if sequence_parallel else 1,
     )
-    eps = _resolve_filter_eps(filter_eps, e.dtype)
+    budget = resolve_logits_budget(logits_budget)
     shard = c.shape[0]
     vocab = vocab_size if vocab_size is not None else shard
     out_shape = targets.shape
@@ -220,15 +228,25 @@ def sharded_linear_cross_entropy(
         from cce_parallel.kernels.config import default_config
 
         kernel_cfg = default_config(e.device, e.dtype)
+    need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
+    # reduction "mean" divides by the kept tokens in fp32: the one-pass gradients use that same
+    # number, so that loss.backward() leaves nothing to rescale.
+    grad_scale = torch.tensor(1.0 / n_keep, dtype=torch.float32).item() if reduction == "mean" and n_keep else 1.0
     cfg = LossConfig(
         impl=impl,
         softcap=float(softcap) if softcap is not None else None,
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
-        filter_eps=eps,
         vocab_size=vocab,
         use_triton=use_triton,
         kernel=kernel_cfg,
+        logits_budget=budget,
+        block_vocab=largest_shard or shard,
+        one_pass=use_triton and budget > 0 and torch.is_grad_enabled() and any(need),
+        need_de=need[0],
+        need_dc=need[1],
+        need_db=need[2],
+        grad_scale=grad_scale,
     )
     # Appendix B of the paper: ignored tokens never reach the kernels (the Function drops them).
     keep_idx = None if n_keep == t2.shape[0] else torch.nonzero(keep).squeeze(1)
@@ -236,7 +254,7 @@ def sharded_linear_cross_entropy(
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
     loss, lse = LinearCrossEntropyFunction.apply(
-        e2.contiguous(), c_k, bias_k, t2, keep_idx, cfg, comm, sequence_parallel
+        e2.contiguous(), c_k, bias_k, t2, keep_idx, cfg, comm, sequence_parallel, c_main_grad
     )
     if reduction == "none":
         loss = loss.reshape(out_shape)

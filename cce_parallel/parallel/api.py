@@ -1,6 +1,6 @@
 """The public loss: one device, or a vocabulary shard per tensor-parallel rank."""
 
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,12 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     reduction: str = "mean",
     impl: str = "cce",
-    filter_eps: Union[str, float, None] = "auto",
+    logits_budget: Union[str, int] = "auto",
     return_lse: bool = False,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_range: Optional[Tuple[int, int]] = None,
     sequence_parallel: bool = False,
+    main_grad: Union[torch.Tensor, Callable[[], torch.Tensor], None] = None,
 ):
     """Cross-entropy of the logits e @ c.T (+ bias) without materializing them.
 
@@ -43,7 +44,9 @@ def linear_cross_entropy(
         z_loss: adds z_loss * lse**2 per token (lse over the full vocabulary).
         reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
         impl: one of IMPLS (see the README's table).
-        filter_eps: gradient-filter threshold of the filtering impls: "auto", a float or None.
+        logits_budget: bytes of fp32 logits per token block when gradients are computed in the
+            forward (the one-pass path): "auto" (2 GiB), a number of bytes, or "lean" / 0 for the
+            two-pass path that recomputes the logits in the backward (about 100 MB above dE + dC).
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
         tp_group: the tensor-parallel ProcessGroup whose ranks each hold a shard of c.
@@ -51,13 +54,18 @@ def linear_cross_entropy(
             contiguous shards in rank order.
         sequence_parallel: e is sequence-parallel: gathered before the loss, its gradient
             reduce-scattered back.
+        main_grad: a tensor shaped like c, fp32 usually (or a callable returning one at backward
+            time), into which the backward adds ∇c from its fp32 accumulator, as Megatron's
+            gradient-accumulation fusion does; c.grad is then left as it is. None: c gets its
+            gradient as usual.
 
     Returns:
         loss, or (loss, lse) when return_lse; identical on every rank of tp_group.
     """
     options = dict(
         bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
-        reduction=reduction, impl=impl, filter_eps=filter_eps, return_lse=return_lse,
+        reduction=reduction, impl=impl, logits_budget=logits_budget, return_lse=return_lse,
+        c_main_grad=_main_grad_source(main_grad, c),
     )
     if tp_group is None:
         if vocab_range is not None or sequence_parallel:
@@ -70,7 +78,8 @@ def linear_cross_entropy(
     try:
         check_inputs(
             e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
-            z_loss=z_loss, reduction=reduction, impl=impl, row_ranks=world if sequence_parallel else 1,
+            z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget,
+            row_ranks=world if sequence_parallel else 1,
         )
         if vocab_range is not None:
             if len(vocab_range) != 2 or not all(isinstance(x, int) for x in vocab_range):
@@ -83,7 +92,28 @@ def linear_cross_entropy(
     return sharded_linear_cross_entropy(
         e, c, targets, **options, comm=GroupCollectives(tp_group), vocab_start=layout.start,
         vocab_size=layout.vocab_size, sequence_parallel=sequence_parallel, world=layout.world,
+        largest_shard=layout.largest_shard,
     )
+
+
+def _main_grad_source(main_grad, c):
+    """None, or a callable giving the buffer ∇c is added into (checked when it is used)."""
+    if main_grad is None:
+        return None
+    shape = tuple(c.shape) if isinstance(c, torch.Tensor) else None
+
+    def check(buf):
+        if not isinstance(buf, torch.Tensor) or not buf.is_floating_point() or tuple(buf.shape) != shape:
+            what = f"{buf.dtype} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
+            raise ValueError(f"main_grad must be a floating-point tensor shaped like c {shape}; got {what}")
+        return buf
+
+    if isinstance(main_grad, torch.Tensor):
+        buffer = check(main_grad)
+        return lambda: buffer
+    if not callable(main_grad):
+        raise TypeError(f"main_grad must be a tensor, a callable returning one, or None; got {type(main_grad).__name__}")
+    return lambda: check(main_grad())
 
 
 class LinearCrossEntropy(torch.nn.Module):

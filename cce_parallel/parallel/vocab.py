@@ -18,13 +18,15 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 @dataclass(frozen=True)
 class VocabLayout:
-    """This rank's rows [start, stop) of a vocab_size vocabulary, in a group of `world` ranks."""
+    """This rank's rows [start, stop) of a vocab_size vocabulary, in a group of `world` ranks;
+    largest_shard: the most rows any rank holds."""
 
     rank: int
     world: int
     start: int
     stop: int
     vocab_size: int
+    largest_shard: int
 
 
 def _meta_device(group) -> torch.device:
@@ -94,4 +96,7 @@ def agree_on_layout(
         if lo != expect:
             raise ValueError(f"vocabulary shards {sorted(ranges)} do not tile [0, V): gap or overlap at {expect}")
         expect = hi
-    return VocabLayout(rank=rank, world=world, start=ranges[rank][0], stop=ranges[rank][1], vocab_size=expect)
+    return VocabLayout(
+        rank=rank, world=world, start=ranges[rank][0], stop=ranges[rank][1], vocab_size=expect,
+        largest_shard=max(sizes),
+    )

@@ -106,9 +106,10 @@ BAD_OPTIONS = [
     ("z_loss", -1e-4, "z_loss"),
     ("z_loss", math.inf, "z_loss"),
     ("z_loss", math.nan, "z_loss"),
-    ("filter_eps", -1e-3, "filter_eps"),
-    ("filter_eps", math.nan, "filter_eps"),
-    ("filter_eps", "fast", "filter_eps"),
+    ("logits_budget", -1, "logits_budget"),
+    ("logits_budget", 1.5, "logits_budget"),
+    ("logits_budget", "fast", "logits_budget"),
+    ("logits_budget", True, "logits_budget"),
 ]
 
 

@@ -1,14 +1,14 @@
 """fp32 numerics of every impl against the float64 oracle, at small odd shapes.
 
 On a CPU machine the Triton impls run under the Triton interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1), which is slow: each Triton impl gets a handful of option combinations that
+TRITON_INTERPRET=1), which is slow: the Triton impls get a handful of option combinations that
 together cover every option, while impl "torch" gets the full product. With CCE_TEST_GPU=1 on a
-CUDA machine the same tests run on the GPU with compiled kernels (about 4 minutes on an H100,
-nearly all of it Triton compilation; the CPU run takes about 1 minute on 2 cores).
+CUDA machine the same tests run on the GPU with compiled kernels.
 
-Tolerances are relative Frobenius errors. "torch" and "exact" must be as tight as fp32 allows;
-the filtering impls skip blocks whose probabilities are all below filter_eps ("auto" is 2**-28
-in fp32), which costs at most ~V * 2**-28 of the probability mass, so 1e-4 is ample.
+Every path is checked: the one-pass path (gradients in the forward) in one token block and in
+several, its two-pass variant (softcap with label smoothing, and the overflow fallback), the
+backward's three cases (one upstream number, per-token weights, a gradient through lse), and the
+lean path (logits_budget="lean"). Tolerances are relative Frobenius errors, as tight as fp32 allows.
 """
 
 import math
@@ -37,14 +37,13 @@ from tests.helpers import (
 from tests.oracle import oracle, plain_torch, rel_err
 
 V, D, N = 517, 48, 37
-TRITON_IMPLS = tuple(i for i in IMPLS if i != "torch")
-FILTERED_IMPLS = ("cce", "cce_kahan", "cce_kahan_full_c", "cce_kahan_full_e")
+# "cce" and the fp32-accumulating impls (identical to each other: test_fp32_impls_agree) stand for
+# every Triton impl; "torch" is the PyTorch path.
+TRITON_IMPLS = ("cce", "cce_kahan_full_c")
+TESTED_IMPLS = (*TRITON_IMPLS, "torch")
 TIGHT = {"loss": 1e-5, "lse": 1e-5, "de": 5e-5, "dc": 5e-5, "dbias": 5e-5}
-FILTERED = 1e-4
-
-
-def fp32_tol(impl):
-    return TIGHT if impl in ("torch", "exact") else FILTERED
+# logits_budget values that give one token block, blocks of a few tokens, and the lean path.
+BUDGETS = {"one-block": "auto", "blocks": 3 * 4 * V, "lean": "lean"}
 
 
 @pytest.fixture(autouse=True)
@@ -144,27 +143,43 @@ TRITON_CASES = [
 CASES = {case.name: case for case in TRITON_CASES}
 
 
-def check_case(case: Case, impl: str, device, tol=None):
+def check_case(case: Case, impl: str, device, tol=None, uniform=False, **extra):
     inputs = case.inputs(device)
-    options = dict(case.options, impl=impl)
+    options = dict(case.options, impl=impl, **extra)
     grad_loss, grad_lse = upstream(
-        inputs["targets"], options.get("reduction", "mean"), options.get("return_lse")
+        inputs["targets"], options.get("reduction", "mean"), options.get("return_lse"), uniform=uniform,
+        ignore_index=options.get("ignore_index", -100),
     )
     return check_against_oracle(
         linear_cross_entropy,
         inputs,
         options,
-        fp32_tol(impl) if tol is None else tol,
+        TIGHT if tol is None else tol,
         grad_loss=grad_loss,
         grad_lse=grad_lse,
         label=f"{impl}/{case.name}",
     )
 
 
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("impl", IMPLS)
-def test_matches_oracle(impl, case, device):
-    check_case(case, impl, device)
+@pytest.mark.parametrize("impl", TESTED_IMPLS)
+def test_matches_oracle(impl, case, budget, device):
+    if impl == "torch" and budget != "one-block":
+        pytest.skip("the PyTorch path has no logits budget")
+    check_case(case, impl, device, logits_budget=BUDGETS[budget])
+
+
+@pytest.mark.parametrize("case", ["mean", "lse-3d-ignore-in-vocab", "strided-views"])
+def test_fp32_impls_agree(case, device):
+    """The impls that accumulate in fp32 compute the same thing, bit for bit."""
+    inputs = CASES[case].inputs(device)
+    options = CASES[case].options
+    grads = upstream(inputs["targets"], options.get("reduction", "mean"), options.get("return_lse"))
+    outs = [run(linear_cross_entropy, inputs, dict(options, impl=i), *grads) for i in IMPLS if i not in ("cce", "torch")]
+    for other in outs[1:]:
+        for name, a, b in zip(outs[0]._fields, outs[0], other):
+            assert (a is None and b is None) or torch.equal(a, b), f"{case}: fp32 impls differ in {name}"
 
 
 _TORCH_GRID = list(
@@ -229,51 +244,17 @@ def test_upstream_gradient_scales_grads(impl, reduction, device):
         assert err <= 1e-6, f"{name}: upstream gradient -3.25 gives rel err {err:.2e}"
 
 
-PEAKED = {"n_head": 16, "n_mid": 128, "n_rare": 3}
-
-
-@pytest.mark.parametrize(
-    "impl, filter_eps, tol",
-    [(impl, "auto", fp32_tol(impl)) for impl in IMPLS] + [(impl, 2.0**-12, 1e-3) for impl in FILTERED_IMPLS],
-)
-def test_peaked_inputs_filtering(impl, filter_eps, tol, device):
-    """Trained-model-like logits, so that filtering skips whole vocabulary blocks.
-
-    Tail probabilities are below 2**-28 and the middle ones below 2**-12, so with "auto" the tail
-    blocks go and with 2**-12 the middle ones too; the few tokens whose target lies in the tail
-    keep their target's block. The error stays relative to the kept mass.
-    """
-    inputs = peaked_inputs((64,), V, D, device=device, **PEAKED)
-    options = {"impl": impl, "filter_eps": filter_eps, "reduction": "none", "return_lse": True}
-    grad_loss, grad_lse = upstream(inputs["targets"], "none", True)
-    check_against_oracle(
-        linear_cross_entropy,
-        inputs,
-        options,
-        tol,
-        grad_loss=grad_loss,
-        grad_lse=grad_lse,
-        label=f"{impl}/peaked/filter_eps={filter_eps}",
-    )
-
-
-@pytest.mark.parametrize("impl", FILTERED_IMPLS)
-def test_no_filtering_matches_oracle_tightly(impl, device):
-    """filter_eps=None turns filtering off: as tight as "exact" on peaked inputs."""
-    inputs = peaked_inputs((64,), V, D, device=device, **PEAKED)
-    options = {"impl": impl, "filter_eps": None, "reduction": "mean"}
-    check_against_oracle(linear_cross_entropy, inputs, options, TIGHT, label=f"{impl}/peaked/no-filter")
-
-
-def test_exact_is_deterministic(device):
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+def test_exact_is_deterministic(budget, device):
     case = CASES["everything-3d"]
     inputs = case.inputs(device)
-    options = dict(case.options, impl="exact")
-    grad_loss, grad_lse = upstream(inputs["targets"], options["reduction"], True)
-    first = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
-    second = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
-    for name, a, b in zip(first._fields, first, second):
-        assert torch.equal(a, b), f"impl 'exact' is not bitwise reproducible in {name}"
+    options = dict(case.options, impl="exact", logits_budget=BUDGETS[budget])
+    for kind in ("scalar", "lse"):
+        grad_loss, grad_lse = upstream(inputs["targets"], options["reduction"], kind == "lse")
+        first = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
+        second = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
+        for name, a, b in zip(first._fields, first, second):
+            assert (a is None and b is None) or torch.equal(a, b), f"'exact' is not reproducible in {name}"
 
 
 @pytest.mark.parametrize("impl", ["torch", "cce"])
@@ -291,12 +272,14 @@ def test_module_matches_function(impl, device):
     assert_errors_below(errors(from_module, from_function), 1e-6, f"{impl}: module vs function")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_nan_in_e_propagates(impl, device):
-    """A NaN hidden state must give a NaN loss and NaN gradients, never be filtered away."""
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("impl", TESTED_IMPLS)
+def test_nan_in_e_propagates(impl, budget, device):
+    """A NaN hidden state must give a NaN loss and NaN gradients, never be lost."""
     inputs = Case("x").inputs(device)
     inputs["e"][5, 7] = float("nan")
-    out = run(linear_cross_entropy, inputs, {"impl": impl, "reduction": "none"}, torch.ones(N, device=device))
+    options = {"impl": impl, "reduction": "none", "logits_budget": BUDGETS[budget]}
+    out = run(linear_cross_entropy, inputs, options, torch.ones(N, device=device))
     assert torch.isnan(out.loss[5]), "NaN in e[5] did not reach loss[5]"
     others = torch.arange(N, device=device) != 5
     assert torch.isfinite(out.loss[others]).all(), "NaN in e[5] leaked into other tokens' losses"
@@ -358,60 +341,13 @@ def test_public_api():
     }
 
 
-# The default path: fp32 logit chunks from library GEMMs in the forward, and the workspace backward
-# with dense GEMMs (no filtering; the interpreter's 6000-byte budgets give several vocabulary chunks
-# here). The other paths stay selectable and run the same checks: the workspace backward with Triton
-# block-sparse GEMMs (bwd_dense_gemm=0, filtered), the tile-wise, low-memory backward
-# (bwd_workspace_bytes=0, kernels/backward.py), and the fused Triton forward (fwd_dense_gemm=0).
-TRITON_IMPLS = tuple(i for i in IMPLS if i != "torch")
-OTHER_BACKWARDS = {
-    "blocksparse": '{"bwd_dense_gemm": 0}',
-    "tilewise": '{"bwd_workspace_bytes": 0}',
-    "fused-forward": '{"fwd_dense_gemm": 0}',
-}
-
-
-@pytest.fixture(params=sorted(OTHER_BACKWARDS))
-def other_backward(request, monkeypatch):
-    monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", OTHER_BACKWARDS[request.param])
-    return request.param
-
-
-def test_default_backward_is_the_dense_workspace_one():
-    from cce_parallel.kernels.config import INTERPRETER_CONFIG, KernelConfig
-
-    for cfg in (KernelConfig(), INTERPRETER_CONFIG):
-        assert cfg.bwd_workspace_bytes > 0 and cfg.bwd_dense_gemm == 1 and cfg.fwd_dense_gemm == 1
-
-
-@pytest.mark.parametrize("case", ["bias-softcap-none", "everything-3d", "many-tokens", "all-ignored-mean"])
-@pytest.mark.parametrize("impl", TRITON_IMPLS)
-def test_other_backwards_match_oracle(impl, case, device, other_backward):
-    check_case(CASES[case], impl, device)
-
-
-@pytest.mark.parametrize("impl", TRITON_IMPLS)
-def test_other_backwards_peaked_filtering(impl, device, other_backward):
-    inputs = peaked_inputs((64,), V, D, device=device, **PEAKED)
-    options = {"impl": impl, "filter_eps": 2.0**-12, "reduction": "none", "return_lse": True}
-    grad_loss, grad_lse = upstream(inputs["targets"], "none", True)
-    check_against_oracle(
-        linear_cross_entropy, inputs, options, 1e-3, grad_loss=grad_loss, grad_lse=grad_lse,
-        label=f"{impl}/{other_backward}/peaked",
-    )
-
-
-def test_other_backwards_exact_is_deterministic(device, other_backward):
-    test_exact_is_deterministic(device)
-
-
 @pytest.mark.parametrize("top", [3.0e-9, 1.0 / 8192, 0.75, 1.0, 5.0e3])
-def test_workspace_scale_is_a_power_of_two_bringing_the_largest_coefficient_near_one(top):
-    from cce_parallel.kernels import ws_scale
+def test_grad_scale_is_a_power_of_two_bringing_the_largest_coefficient_near_one(top):
+    from cce_parallel.kernels import grad_scale
 
     a = torch.tensor([top / 3, -top, 0.0])
     b = torch.tensor([top / 2, 0.0, top / 7])
-    scale = ws_scale(a, b).item()
+    scale = grad_scale(a, b).item()
     mantissa, _ = math.frexp(scale)
     assert mantissa == 0.5, f"scale {scale} is not a power of two"
     assert 1.0 <= top * scale < 2.0
@@ -419,7 +355,7 @@ def test_workspace_scale_is_a_power_of_two_bringing_the_largest_coefficient_near
 
 @pytest.mark.parametrize("chunk_bytes", [6000, 40000])
 def test_dense_forward_chunks_and_slices_match_oracle(chunk_bytes, device, monkeypatch):
-    """The dense forward's fp32 logit chunks and their column slices (several partial splits per
+    """The lean forward's fp32 logit chunks and their column slices (several partial splits per
     chunk, targets and label smoothing inside every slice) against the float64 oracle."""
     from cce_parallel.kernels import stats_slices
     from cce_parallel.kernels.config import INTERPRETER_CONFIG
@@ -431,7 +367,7 @@ def test_dense_forward_chunks_and_slices_match_oracle(chunk_bytes, device, monke
     vc = logit_chunk(n, V, chunk_bytes, 4, INTERPRETER_CONFIG.fwd_block_v)
     if chunk_bytes > 6000:
         assert stats_slices(n, vc, dataclasses.replace(INTERPRETER_CONFIG, fwd_programs=64), False) > 1
-    check_case(case, "cce", device)
+    check_case(case, "cce", device, logits_budget="lean")
 
 
 @pytest.mark.parametrize(
@@ -440,7 +376,7 @@ def test_dense_forward_chunks_and_slices_match_oracle(chunk_bytes, device, monke
     ids=["one-token-block", "blocks", "smallest-blocks"],
 )
 def test_dense_token_blocks_match_oracle(chunk_bytes, min_cols, rows, device, monkeypatch):
-    """The dense path with the tokens in one block, in several, and in blocks of one or two: the forward
+    """The lean path with the tokens in one block, in several, and in blocks of one or two: the forward
     folds its partials as it goes, the backward sums dC over the blocks in fp32."""
     from cce_parallel.ops.autograd import dense_blocks
 
@@ -453,8 +389,8 @@ def test_dense_token_blocks_match_oracle(chunk_bytes, min_cols, rows, device, mo
     fwd = dense_blocks(n, V, chunk_bytes, 4, 64, min_cols)
     bwd = dense_blocks(n, V, chunk_bytes, 4 + 4, 64, min_cols)
     assert (fwd[0], bwd[0]) == rows
-    check_case(case, "cce_kahan_full_c", device)
-    check_case(CASES["strided-views"], "exact", device)
+    check_case(case, "cce_kahan_full_c", device, logits_budget="lean")
+    check_case(CASES["strided-views"], "exact", device, logits_budget="lean")
 
 
 def test_dense_blocks_keep_chunks_wide():

@@ -48,16 +48,15 @@ D = 48
 V_ODD = 517  # with explicit, uneven vocab_range shards
 V_EVEN = 516  # default equal shards: divisible by 1, 2, 3 and 4
 SP_LEAD = (12, 3)  # [s, b] as in Megatron; s divisible by every world size tested
-TIGHT = {"loss": 1e-5, "lse": 1e-5, "de": 5e-5, "dc": 5e-5, "dbias": 5e-5}  # torch, exact
-FILTERED = 1e-4  # filtering impls (as in tests/ops/test_numerics_cpu.py)
+TIGHT = {"loss": 1e-5, "lse": 1e-5, "de": 5e-5, "dc": 5e-5, "dbias": 5e-5}
 GROUP_TIMEOUT_S = {"gloo": 420.0, "nccl": 900.0}  # NCCL: first use may compile every Triton kernel
+# "cce" (dC summed in bf16 on the one-pass path) and "cce_kahan_full_c" (in fp32, as every other
+# Triton impl, identically) stand for the Triton impls; "torch" is the PyTorch path.
+TESTED_IMPLS = ("cce", "cce_kahan_full_c", "torch")
 
 
 def fp32_tol(impl, options=None):
-    if impl in ("torch", "exact"):
-        return TIGHT
-    eps = (options or {}).get("filter_eps", "auto")
-    return FILTERED if eps in ("auto", None) else 1e-3  # 1e-3 for 2**-12, as in the CPU numerics tests
+    return TIGHT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +92,8 @@ class Case:
     logit_std: float = 2.0
     ignore_frac: float = 0.0
     targets_on_rank0: bool = False  # every target in rank 0's shard: other shards hold none
-    peaked: bool = False  # trained-model-like logits (helpers.peaked_inputs): filtering skips blocks
+    peaked: bool = False  # trained-model-like logits (helpers.peaked_inputs)
+    uniform: bool = False  # reduction "none": one upstream number over the kept tokens (mask / count)
     options: tuple = ()  # (key, value) pairs of linear_cross_entropy options
 
     @property
@@ -167,19 +167,21 @@ CASES = {
             targets_on_rank0=True,
             options=(("label_smoothing", 0.1), ("reduction", "none"), ("return_lse", True)),
         ),
-        # Filtering: the head ids sit in rank 0's shard, the tail (below 2**-28) elsewhere; a few
-        # targets lie in the tail, the last id among them. With 2**-12 the middle goes too.
+        # Trained-model-like: the head ids sit in rank 0's shard, the tail elsewhere; Megatron's
+        # upstream gradient (one number over the kept tokens), the one-pass path in token blocks
+        # of 3 tokens, and the lean path.
         Case(
-            "peaked-filter-auto",
+            "peaked-masked-blocks",
             lead=(64,),
             peaked=True,
-            options=(("filter_eps", "auto"), ("reduction", "none"), ("return_lse", True)),
+            uniform=True,
+            options=(("reduction", "none"), ("logits_budget", 3 * 4 * V_ODD)),
         ),
         Case(
-            "peaked-filter-2^-12",
+            "peaked-lean",
             lead=(64,),
             peaked=True,
-            options=(("filter_eps", 2.0**-12), ("reduction", "mean")),
+            options=(("reduction", "none"), ("return_lse", True), ("logits_budget", "lean")),
         ),
         Case("all-ignored-sum", ignore_frac=1.0, options=(("reduction", "sum"), ("return_lse", True))),
         Case("all-ignored-mean", ignore_frac=1.0, bias=True, options=(("reduction", "mean"),)),
@@ -233,7 +235,7 @@ LAYOUTS = {
         Layout("w1-default", V_ODD, None, False, CORE),
         Layout("w1-explicit-range", V_ODD, ((0, V_ODD),), False, ("everything",)),
         Layout(
-            "w1-sp", V_ODD, None, True, ("everything", "peaked-filter-auto", "sp-2d-e"), _rest("everything")
+            "w1-sp", V_ODD, None, True, ("everything", "peaked-masked-blocks", "sp-2d-e"), _rest("everything")
         ),
     ),
     2: (
@@ -272,11 +274,11 @@ def small_setup(world: int):
     """(backend, device type, impls) for the small fp32 cases."""
     if gpu_run():
         if torch.cuda.device_count() >= world:
-            return "nccl", "cuda", cce_parallel.IMPLS
+            return "nccl", "cuda", TESTED_IMPLS
         return "gloo", "cpu", ("torch",)  # no interpreter with CCE_TEST_GPU=1: Triton impls fall back
     if os.environ.get("TRITON_INTERPRET") != "1":
         return "gloo", "cpu", ("torch",)
-    return "gloo", "cpu", cce_parallel.IMPLS
+    return "gloo", "cpu", TESTED_IMPLS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +409,8 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
             inputs = case.inputs(layout, world, device)
             opts = case.opts
             grad_loss, grad_lse = upstream(
-                inputs["targets"], opts.get("reduction", "mean"), opts.get("return_lse")
+                inputs["targets"], opts.get("reduction", "mean"), opts.get("return_lse"), uniform=case.uniform,
+                ignore_index=opts.get("ignore_index", -100),
             )
             ref = oracle(**inputs, grad_loss=grad_loss, grad_lse=grad_lse, **opts)
             local, rows = local_view(inputs, layout, rank, world)
@@ -718,7 +721,10 @@ class GpuCase:
 
 GPU_CASES = (
     GpuCase("llama3-peaked-mean", peaked=True, options=(("reduction", "mean"),)),
+    # per-token random weights: the one-pass dE scaled per row, dC recomputed
     GpuCase("llama3-peaked-sp-none", peaked=True, sequence_parallel=True, options=(("reduction", "none"),)),
+    # several token blocks of the one-pass path (128 MB of logits: 1,023 tokens at V = 32,064 per rank)
+    GpuCase("llama3-peaked-sp-blocks", peaked=True, sequence_parallel=True, options=(("logits_budget", 128 << 20),)),
     GpuCase(
         "random-all-options",
         peaked=False,
@@ -786,7 +792,7 @@ def test_gpu_bf16_real_shape(world):
     """bf16, N=4096, V=128256, D=4096 split over `world` GPUs vs one GPU with the same impl."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    impls = tuple(i for i in cce_parallel.IMPLS if i != "torch")
+    impls = ("cce", "cce_kahan_full_c")
     outcome = spawn(_gpu_worker, world, (impls,), backend="nccl", timeout=1500.0, collective_timeout=600.0)
     names = [f"{case.name}/{impl}" for case in GPU_CASES for impl in impls]
     merged = outcome.merged()
