@@ -175,8 +175,10 @@ class LossConfig(Section):
     """Logit soft-capping softcap · tanh(logit / softcap), Gemma 2 style (CCE impls only)."""
     label_smoothing: float = 0.0
     """Label smoothing over the full padded vocabulary (CCE impls only)."""
-    filter_eps: float | Literal["auto"] | None = "auto"
-    """Gradient-filter threshold of the filtering impls: ``auto``, a float in [0, 1), or null (off)."""
+    logits_budget: int | Literal["auto", "lean"] = "auto"
+    """Bytes of fp32 logits per token block when the loss computes its gradients in the forward (the
+    one-pass path, three logit-sized GEMMs): ``auto`` (2 GiB), a number of bytes, or ``lean`` / 0
+    (recompute the logits in the backward: four GEMMs, about 100 MB above ∇E + ∇C) (CCE impls only)."""
     kernel_config: dict[str, int] = field(default_factory=dict)
     """Overrides of the CCE kernels' launch settings (fields of ``cce_parallel.kernels.KernelConfig``,
     checked when the run starts), exported as ``CCE_PARALLEL_KERNEL_CONFIG`` unless that variable
@@ -194,8 +196,8 @@ class LossConfig(Section):
             self._fail("softcap", "must be a finite number > 0, or null")
         if not 0.0 <= self.label_smoothing < 1.0:
             self._fail("label_smoothing", "must be in [0, 1)")
-        if isinstance(self.filter_eps, float) and not 0.0 <= self.filter_eps < 1.0:
-            self._fail("filter_eps", "must be 'auto', a float in [0, 1), or null")
+        if isinstance(self.logits_budget, int) and self.logits_budget < 0:
+            self._fail("logits_budget", "must be 'auto', 'lean' or a number of bytes >= 0")
         for key, value in self.kernel_config.items():
             if value < 0:
                 raise RecipeError(f"loss.kernel_config.{key}: must be >= 0 (got {value})")

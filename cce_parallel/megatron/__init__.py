@@ -3,6 +3,7 @@
     use_cce(gpt_model, impl="cce_kahan_full_c", **options)   switch an existing GPTModel, in place
     cce_output_processor(model, hidden [s(/tp), b, h], labels [b, s])  -> loss [b, s] (or logits)
     CCEOutputLayer, CCEOptions                                the layer itself and its options
+    mask_labels(labels, loss_mask)                            fold loss_mask into ignore_index
     local_gpt_layer_spec(), local_gpt_block_spec(config)      a TE-free, apex-free local spec
     SDPAttention, LocalNorm                                   its core attention and norm
 
@@ -19,7 +20,13 @@ except ImportError as err:  # pragma: no cover - exercised by a subprocess test
     ) from err
 
 from cce_parallel.megatron.attention import SDPAttention
-from cce_parallel.megatron.layer import CCEOptions, CCEOutputLayer, check_vocab_divisible, padded_vocab_size
+from cce_parallel.megatron.layer import (
+    CCEOptions,
+    CCEOutputLayer,
+    check_vocab_divisible,
+    mask_labels,
+    padded_vocab_size,
+)
 from cce_parallel.megatron.model import cce_output_processor, unwrap_gpt_model, use_cce
 from cce_parallel.megatron.spec import LocalNorm, local_gpt_block_spec, local_gpt_layer_spec
 
@@ -32,6 +39,7 @@ __all__ = [
     "check_vocab_divisible",
     "local_gpt_block_spec",
     "local_gpt_layer_spec",
+    "mask_labels",
     "padded_vocab_size",
     "unwrap_gpt_model",
     "use_cce",

@@ -15,10 +15,16 @@ rows are trainable rows of the weight in Megatron, and their logits enter the so
 the linear layer's all-reduce / reduce-scatter does; ∇weight is this rank's shard.
 
 ∇weight follows Megatron's linear layers: with ``gradient_accumulation_fusion`` and a
-``weight.main_grad`` (Megatron DDP), it is added into ``main_grad`` in that buffer's dtype,
-``weight.grad_added_to_main_grad`` is set, and the weight gets a dummy gradient (zeros where
-Megatron asks for them with ``zero_out_wgrad``: a tied embedding on the same stage, whose lookup
-gradient DDP's hook still adds). Otherwise the weight gets its gradient, and DDP's hooks add it.
+``weight.main_grad`` (Megatron DDP), the loss adds it into ``main_grad`` in fp32 straight from its
+fp32 accumulator (no bf16 copy of ∇weight is made), ``weight.grad_added_to_main_grad`` is set, and
+the weight gets a dummy gradient (zeros where Megatron asks for them with ``zero_out_wgrad``: a tied
+embedding on the same stage, whose lookup gradient DDP's hook still adds). Otherwise the weight gets
+its gradient, and DDP's hooks add it.
+
+Speed: the loss computes its gradients in the forward and scales them in the backward when the
+upstream gradient is one number over the kept tokens. Megatron's loss_func multiplies the per-token
+loss by ``loss_mask`` and divides by a count: fold the mask into the labels first
+(``mask_labels(labels, loss_mask)``; the train job does), else the backward recomputes ∇weight.
 """
 
 import contextlib
@@ -31,6 +37,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
 
 from cce_parallel.ops import IMPLS
+from cce_parallel.ops.functional import resolve_logits_budget
 from cce_parallel.parallel import linear_cross_entropy
 
 
@@ -47,9 +54,11 @@ class CCEOptions:
     z_loss: float = 0.0
     """Adds ``z_loss · lse²`` per token."""
     ignore_index: int = -100
-    """Labels equal to it get zero loss and no gradient (Megatron masks with ``loss_mask`` instead)."""
-    filter_eps: str | float | None = "auto"
-    """Gradient-filter threshold of the filtering impls: "auto", a float in [0, 1), or None."""
+    """Labels equal to it get zero loss and no gradient (Megatron masks with ``loss_mask`` instead;
+    ``mask_labels`` folds that mask into the labels)."""
+    logits_budget: str | int = "auto"
+    """Bytes of fp32 logits per token block of the one-pass loss: "auto", a number, or "lean" / 0
+    (recompute the logits in the backward; least memory)."""
     make_vocab_size_divisible_by: int | None = None
     """If set, the layer's (padded) vocabulary must be a multiple of it times tp, as Megatron-LM's
     ``--make-vocab-size-divisible-by`` pads it; a layer whose vocabulary is not raises ValueError."""
@@ -67,9 +76,7 @@ class CCEOptions:
             raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss!r}")
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        eps = self.filter_eps
-        if not (eps is None or eps == "auto" or (_is_real(eps) and 0.0 <= eps < 1.0)):
-            raise ValueError(f"filter_eps must be 'auto', a float in [0, 1) or None, got {eps!r}")
+        resolve_logits_budget(self.logits_budget)
         m = self.make_vocab_size_divisible_by
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"make_vocab_size_divisible_by must be a positive int or None, got {m!r}")
@@ -81,7 +88,7 @@ class CCEOptions:
             "label_smoothing": self.label_smoothing,
             "z_loss": self.z_loss,
             "ignore_index": self.ignore_index,
-            "filter_eps": self.filter_eps,
+            "logits_budget": self.logits_budget,
         }
 
 
@@ -110,36 +117,57 @@ def check_vocab_divisible(vocab_size: int, tp: int, make_vocab_size_divisible_by
         )
 
 
-class _AccumulateIntoMainGrad(torch.autograd.Function):
-    """Identity on the weight whose backward adds ∇W into ``weight.main_grad`` (Megatron's
-    gradient-accumulation fusion) and returns a dummy gradient, as Megatron's linear layers do."""
+def mask_labels(labels: torch.Tensor, loss_mask: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """labels with ``ignore_index`` where ``loss_mask`` is 0: the loss then gives those tokens zero
+    loss and no gradient, and Megatron's ``(loss * loss_mask).sum() / count`` becomes one number times
+    the per-token loss over the kept tokens, which the one-pass loss scales without recomputing."""
+    if loss_mask.shape != labels.shape:
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} must have the labels' shape {tuple(labels.shape)}")
+    return labels.masked_fill(loss_mask == 0, ignore_index)
+
+
+class _MainGradHook(torch.autograd.Function):
+    """Identity on the weight whose backward hands DDP a dummy gradient after the loss has added ∇W
+    into ``weight.main_grad`` (Megatron's gradient-accumulation fusion), as Megatron's linear layers
+    do; the loss itself gives the weight no gradient (see ``per_token_loss``), so this receives None."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, main_grad: torch.Tensor):
-        # As in LinearWithGradAccumulationAndAsyncCommunication: main_grad is held on ctx, not
-        # saved, so later in-place updates of the buffer trip no version check.
+    def forward(ctx, weight: torch.Tensor):
+        ctx.set_materialize_grads(False)  # no [V/tp, h] zeros for the None the loss hands back
         ctx.weight_param = weight
-        ctx.main_grad = main_grad
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad_weight):
+        weight = ctx.weight_param
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None
+        # DDP's hook must still run on this thread (overlap_grad_reduce), so the weight gets a
+        # gradient; zeros where the hook adds it (a tied embedding on the same stage).
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        dummy = make(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+        weight.grad_added_to_main_grad = True
+        return dummy
+
+
+class _AccumulateIntoMainGrad(torch.autograd.Function):
+    """Identity on the weight whose backward adds ∇W into a fresh Megatron-FSDP main-grad buffer
+    (``weight.get_main_grad()``), then returns what ``_MainGradHook`` returns."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor):
+        ctx.weight_param = weight
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad_weight: torch.Tensor):
-        weight, main_grad = ctx.weight_param, ctx.main_grad
-        if hasattr(weight, "__fsdp_param__"):
-            # Megatron-FSDP hands out a fresh main-grad buffer per step (as Megatron's linear does).
-            weight.main_grad = weight.get_main_grad()
-            weight.main_grad.copy_(grad_weight)
-        else:
-            weight.main_grad = main_grad
-            main_grad.add_(grad_weight)  # in main_grad's dtype (fp32 usually)
+        weight = ctx.weight_param
+        weight.main_grad = weight.get_main_grad()
+        weight.main_grad.copy_(grad_weight)
         if not hasattr(weight, "grad_added_to_main_grad"):
-            return None, None
-        # DDP's hook must still run on this thread (overlap_grad_reduce), so the weight gets a
-        # gradient; zeros where the hook adds it (a tied embedding on the same stage).
-        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-        dummy = make(main_grad.shape, dtype=grad_weight.dtype, device=grad_weight.device)
+            return None
         weight.grad_added_to_main_grad = True
-        return dummy, None
+        return torch.empty(weight.main_grad.shape, dtype=grad_weight.dtype, device=grad_weight.device)
 
 
 class CCEOutputLayer(ColumnParallelLinear):
@@ -233,13 +261,22 @@ class CCEOutputLayer(ColumnParallelLinear):
             if group is not None:
                 _fail_on_every_rank(err, input_, group, sequence_parallel)
             raise
+        main_grad = None
         if (
             self.gradient_accumulation_fusion
             and hasattr(weight, "main_grad")
             and weight.requires_grad
             and torch.is_grad_enabled()
         ):
-            weight = _AccumulateIntoMainGrad.apply(weight, weight.main_grad)
+            if hasattr(weight, "__fsdp_param__"):
+                # Megatron-FSDP hands out a fresh main-grad buffer per step (as Megatron's linear does).
+                weight = _AccumulateIntoMainGrad.apply(weight)
+            else:
+                # The loss adds ∇W into main_grad in fp32; main_grad is read when the backward runs
+                # (not saved), so later in-place updates of the buffer trip no version check.
+                param = weight
+                main_grad = lambda: param.main_grad  # noqa: E731
+                weight = _MainGradHook.apply(weight)
         # [b, s] -> [s, b]: a view of the labels; the hidden states are never copied.
         loss = linear_cross_entropy(
             input_,
@@ -250,6 +287,7 @@ class CCEOutputLayer(ColumnParallelLinear):
             **self.cce_options.loss_kwargs(),
             tp_group=group,
             sequence_parallel=sequence_parallel,
+            main_grad=main_grad,
         )
         # [s, b] -> [b, s], contiguous as Megatron's compute_language_model_loss returns it.
         return loss.t().contiguous()

@@ -27,9 +27,8 @@ from cce_parallel.config import Recipe
 # each a GEMM and a launch). Used when neither loss.kernel_config nor CCE_PARALLEL_KERNEL_CONFIG
 # says otherwise.
 CPU_KERNEL_CONFIG = {
-    "fwd_block_n": 128, "fwd_block_v": 256, "fwd_block_d": 64, "fwd_programs": 1,
-    "bwd_block_n": 128, "bwd_block_v": 256, "bwd_block_d": 64, "bwd_v_chunks": 1,
-    "fwd_chunk_bytes": 64 << 20, "bwd_workspace_bytes": 64 << 20, "ws_block_do": 64,
+    "fwd_block_n": 128, "fwd_block_v": 256, "fwd_programs": 1, "bwd_block_n": 128, "bwd_block_v": 256,
+    "fwd_chunk_bytes": 64 << 20, "bwd_workspace_bytes": 64 << 20, "rows_block_n": 16, "rows_block_v": 1024,
 }
 
 

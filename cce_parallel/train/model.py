@@ -131,7 +131,7 @@ def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, dev
             softcap=loss.softcap,
             label_smoothing=loss.label_smoothing,
             z_loss=loss.z_loss,
-            filter_eps=loss.filter_eps,
+            logits_budget=loss.logits_budget,
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         )
     return model

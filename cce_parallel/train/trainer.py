@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
+from cce_parallel.megatron import mask_labels
 from cce_parallel.train import checkpoint, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine
@@ -34,9 +35,15 @@ from cce_parallel.train.model import (
 )
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, fold_mask: bool = False):
     batch = next(data_iterator)
-    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s] fp32
+    labels = batch["labels"]
+    if fold_mask:
+        # Masked tokens get CCE's ignore_index: zero loss (the mask zeroes it anyway) and no gradient,
+        # so the upstream gradient is one number over the kept tokens and the one-pass loss only
+        # scales the gradients it computed in the forward (cce_parallel.megatron.mask_labels).
+        labels = mask_labels(labels, batch["loss_mask"])
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=labels)  # [b, s] fp32
     return loss, functools.partial(loss_func, batch["loss_mask"])
 
 
@@ -157,7 +164,7 @@ class Trainer:
     def _run_batches(self, batches, first_sample: int, forward_only: bool):
         r = self.recipe
         return self.engine.forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=functools.partial(forward_step, fold_mask=r.loss.is_cce),
             data_iterator=batches.microbatches(first_sample),
             model=self.engine.model,
             num_microbatches=self.layout["accumulation"],

@@ -189,10 +189,11 @@ def test_cuda_only_features_on_cpu():
 
 def test_overrides():
     recipe = load_recipe(None, ["optim.lr=3e-4", "optim.min_lr=0", "model.vocab_size=null", "parallel.sequence_parallel=true",
-                                "loss.filter_eps=auto", "loss.kernel_config={fwd_block_n: 64}"])
+                                "loss.logits_budget=lean", "loss.kernel_config={fwd_block_n: 64}"])
     assert recipe.optim.lr == 3e-4 and isinstance(recipe.optim.lr, float)
     assert recipe.parallel.sequence_parallel is True
     assert recipe.loss.kernel_config == {"fwd_block_n": 64}
+    assert recipe.loss.logits_budget == "lean"
     for bad in ("optim.lr", "lr=1", "a.b.c=1", "=1"):
         with pytest.raises(RecipeError, match="section.key=value"):
             load_recipe(None, [bad])

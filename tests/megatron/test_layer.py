@@ -256,8 +256,8 @@ def test_option_and_config_errors():
         CCEOptions(softcap=0.0)
     with pytest.raises(ValueError, match="z_loss"):
         CCEOptions(z_loss=-1.0)
-    with pytest.raises(ValueError, match="filter_eps"):
-        CCEOptions(filter_eps="sometimes")
+    with pytest.raises(ValueError, match="logits_budget"):
+        CCEOptions(logits_budget="sometimes")
     with pytest.raises(TypeError, match="ignore_index"):
         CCEOptions(ignore_index=1.5)
     with pytest.raises(
