@@ -83,6 +83,15 @@ def _make_compile():
     return torch.compile(eager_loss, dynamic=False)
 
 
+def _parse_budget(text: str):
+    """"lean", "auto", bytes, or <n>g / <n>m (GiB / MiB)."""
+    if text in ("lean", "auto"):
+        return text
+    mult = {"g": 1 << 30, "m": 1 << 20}.get(text[-1:].lower(), 1)
+    number = text[:-1] if mult > 1 else text
+    return int(float(number) * mult)
+
+
 def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
     out: list[Method] = []
     for key in keys:
@@ -156,22 +165,27 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
                 )
                 continue
             impls = list(getattr(cce_parallel, "IMPLS", ()))
-            if key == "ours":
+            # ours, ours:<impl>, ours:<impl>@<logits_budget> (bytes, "lean", "auto", or <n>g / <n>m)
+            spec = key.split(":", 1)[1] if ":" in key else ""
+            impl_part, _, budget_part = spec.partition("@")
+            if not impl_part:
                 wanted = [i for i in impls if i != "torch" or include_torch_impl]
             else:
-                wanted = [key.split(":", 1)[1]]
+                wanted = [impl_part]
+            budget = _parse_budget(budget_part) if budget_part else "auto"
             for impl in wanted:
-                mkey = f"ours:{impl}"
+                mkey = f"ours:{impl}" + (f"@{budget_part}" if budget_part else "")
                 if any(m.key == mkey for m in out):
                     continue
                 if impl not in impls:
                     out.append(Method(mkey, f"cce_parallel {impl}", unavailable=f"not in IMPLS {impls}"))
                     continue
 
-                def make_ours(impl=impl, fn=cce_parallel.linear_cross_entropy):
-                    return lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean")
+                def make_ours(impl=impl, budget=budget, fn=cce_parallel.linear_cross_entropy):
+                    return lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)
 
-                out.append(Method(mkey, f"cce_parallel {impl}", make_ours, info={"impl": impl}))
+                label = f"cce_parallel {impl}" + (f" @{budget_part}" if budget_part else "")
+                out.append(Method(mkey, label, make_ours, info={"impl": impl, "logits_budget": budget}))
         else:
             raise SystemExit(
                 f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, ours, ours:<impl>"
@@ -297,7 +311,7 @@ def run_case(case: Case, methods: list[Method], args, device, dtype, seed: int, 
     stage = "inputs"
     try:
         e, c, t = C.make_inputs(
-            shape, case.regime, dtype=dtype, device=device, seed=seed, shuffle_vocab=args.shuffle_vocab
+            shape, case.regime, dtype=dtype, device=device, seed=seed
         )
         stage = "softmax stats"
         out["softmax"] = C.softmax_stats(e, c, t, rows=args.stats_rows)
@@ -785,7 +799,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=C.DEFAULT_TOKENS, help="tokens N for the model shapes")
     p.add_argument("--sweep", default=DEFAULT_SWEEP, help="token counts of the sweep, 'none' to skip it")
     p.add_argument("--sweep-shape", default="gemma2-2b", help="model shape of the token sweep")
-    p.add_argument("--regimes", default="random,peaked", help=f"comma list from {', '.join(C.REGIMES)}")
+    p.add_argument("--regimes", default="trained,random", help=f"comma list from {', '.join(C.REGIMES)}")
     p.add_argument("--sweep-regimes", default=None, help="regimes of the sweep (default: --regimes)")
     p.add_argument(
         "--methods",
@@ -805,11 +819,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stats-rows", type=int, default=1024, help="rows sampled for the softmax statistics")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--shuffle-vocab",
-        action="store_true",
-        help="peaked regime: permute token ids so frequent tokens are spread over the vocabulary",
-    )
     p.add_argument(
         "--time-budget",
         type=float,
@@ -921,7 +930,6 @@ def main(argv=None) -> int:
             "flop_convention": FLOP_CONVENTION,
             "memory_convention": MEMORY_CONVENTION,
             "regimes": {r: C.REGIMES[r] for r in dict.fromkeys(regimes + sweep_regimes)},
-            "shuffle_vocab": args.shuffle_vocab,
             "methods": {m.key: {"label": m.label, "unavailable": m.unavailable, **m.info} for m in methods},
             "packages": {
                 n: C.pkg_version(n)
