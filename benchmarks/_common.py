@@ -549,3 +549,19 @@ def fmt_err(x, missing: str = "–") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return missing
     return f"{x:.1e}"
+
+
+def parse_ours(key: str) -> tuple[str, str | None, object]:
+    """Split a method key ``ours[:<impl>[@<budget>]]`` into (impl or "", budget text, logits_budget).
+
+    The budget is "lean", "auto", bytes, or <n>g / <n>m (GiB / MiB); without one, "auto".
+    """
+    spec = key.split(":", 1)[1] if ":" in key else ""
+    impl, _, text = spec.partition("@")
+    if not text or text in ("lean", "auto"):
+        return impl, text or None, text or "auto"
+    mult = {"g": 1 << 30, "m": 1 << 20}.get(text[-1:].lower(), 1)
+    try:
+        return impl, text, int(float(text[:-1] if mult > 1 else text) * mult)
+    except ValueError:
+        raise SystemExit(f"bad logits budget {text!r} in method {key!r}: lean, auto, bytes, <n>g or <n>m") from None

@@ -83,15 +83,6 @@ def _make_compile():
     return torch.compile(eager_loss, dynamic=False)
 
 
-def _parse_budget(text: str):
-    """"lean", "auto", bytes, or <n>g / <n>m (GiB / MiB)."""
-    if text in ("lean", "auto"):
-        return text
-    mult = {"g": 1 << 30, "m": 1 << 20}.get(text[-1:].lower(), 1)
-    number = text[:-1] if mult > 1 else text
-    return int(float(number) * mult)
-
-
 def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
     out: list[Method] = []
     for key in keys:
@@ -165,14 +156,11 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
                 )
                 continue
             impls = list(getattr(cce_parallel, "IMPLS", ()))
-            # ours, ours:<impl>, ours:<impl>@<logits_budget> (bytes, "lean", "auto", or <n>g / <n>m)
-            spec = key.split(":", 1)[1] if ":" in key else ""
-            impl_part, _, budget_part = spec.partition("@")
+            impl_part, budget_part, budget = C.parse_ours(key)
             if not impl_part:
                 wanted = [i for i in impls if i != "torch" or include_torch_impl]
             else:
                 wanted = [impl_part]
-            budget = _parse_budget(budget_part) if budget_part else "auto"
             for impl in wanted:
                 mkey = f"ours:{impl}" + (f"@{budget_part}" if budget_part else "")
                 if any(m.key == mkey for m in out):

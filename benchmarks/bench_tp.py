@@ -62,7 +62,7 @@ import _common as C
 import torch
 import torch.distributed as dist
 
-DEFAULT_METHODS = "megatron,ours:cce,ours:cce_kahan_full_c"
+DEFAULT_METHODS = "megatron,ours:cce,ours:cce_kahan_full_c,ours:cce_kahan_full_c@lean"
 SMOKE_METHODS = "megatron,ours:torch"
 # The issue's Megatron measurements (4×H200, NVLink, N=8,192, Gemma 2 2B head): ms, GB per rank.
 ISSUE_MEGATRON = {1: (73.2, 14.8), 2: (36.7, 7.4), 4: (18.2, 3.7)}
@@ -169,6 +169,7 @@ class Method:
     label: str
     kind: str  # "megatron" or "ours"
     impl: str | None = None
+    budget: object = "auto"  # ours: logits_budget
     fused: bool = False
     unavailable: str | None = None
     info: dict = field(default_factory=dict)
@@ -221,15 +222,18 @@ def build_methods(keys: list[str], mcore, mcore_err) -> list[Method]:
             except Exception as exc:  # noqa: BLE001
                 out.append(Method(key, "cce_parallel", "ours", unavailable=C.short_error(exc)))
                 continue
-            wanted = [i for i in impls if i != "torch"] if key == "ours" else [key.split(":", 1)[1]]
+            impl_part, budget_part, budget = C.parse_ours(key)
+            wanted = [impl_part] if impl_part else [i for i in impls if i != "torch"]
             for impl in wanted:
-                mkey = f"ours:{impl}"
+                mkey = f"ours:{impl}" + (f"@{budget_part}" if budget_part else "")
                 if any(m.key == mkey for m in out):
                     continue
                 bad = None if impl in impls else f"not in cce_parallel.IMPLS {impls}"
+                label = f"cce_parallel {impl}" + (f" @{budget_part}" if budget_part else "")
                 out.append(
                     Method(
-                        mkey, f"cce_parallel {impl}", "ours", impl=impl, unavailable=bad, info={"impl": impl}
+                        mkey, label, "ours", impl=impl, budget=budget, unavailable=bad,
+                        info={"impl": impl, "logits_budget": budget},
                     )
                 )
         else:
@@ -244,8 +248,10 @@ def make_loss_fn(m: Method, t: int, sp: bool, D: int, V: int, group, mcore, dtyp
 
         g = group if t > 1 else None
 
-        def ours(e, c, tg, impl=m.impl, g=g, sp=sp):
-            return cce_parallel.linear_cross_entropy(e, c, tg, tp_group=g, sequence_parallel=sp, impl=impl)
+        def ours(e, c, tg, impl=m.impl, budget=m.budget, g=g, sp=sp):
+            return cce_parallel.linear_cross_entropy(
+                e, c, tg, tp_group=g, sequence_parallel=sp, impl=impl, logits_budget=budget
+            )
 
         return ours
 
@@ -437,9 +443,7 @@ def combine(per_rank: list[dict], t: int) -> dict:
 
 def full_inputs(shape: C.Shape, regime: str, args, d: Dist, dtype, seed: int):
     """Same seeded full e [N, D], c [V, D], targets [N] on every rank (+ fp32 reference, stats)."""
-    e, c, t = C.make_inputs(
-        shape, regime, dtype=dtype, device=d.device, seed=seed, shuffle_vocab=args.shuffle_vocab
-    )
+    e, c, t = C.make_inputs(shape, regime, dtype=dtype, device=d.device, seed=seed)
     for x in (e, c, t):  # seeded alike, but make sure: TP ranks must see identical inputs
         dist.broadcast(x, src=0)
     stats = C.softmax_stats(e, c, t, rows=args.stats_rows) if d.lead else None
@@ -938,7 +942,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stats-rows", type=int, default=1024, help="rows sampled for the softmax statistics")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shuffle-vocab", action="store_true", help="peaked regime: permute token ids")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; start no new method after this")
     p.add_argument(
         "--nccl-timeout", type=float, default=120.0, help="seconds before a stuck collective fails"
@@ -1043,7 +1046,6 @@ def main(argv=None) -> int:
                 "shape": args.shape,
             },
             "regimes": {r: C.REGIMES[r] for r in args.regimes},
-            "shuffle_vocab": args.shuffle_vocab,
             "time_convention": TIME_CONVENTION,
             "memory_convention": MEMORY_CONVENTION,
             "flop_convention": FLOP_CONVENTION,

@@ -1,0 +1,106 @@
+"""The speed comparisons, one CLI: ``python -m benchmarks {loss,tp,render} [options]``.
+
+    loss    one GPU: loss + gradients of every peer side by side (options: ``loss --help``)
+    tp      tensor parallelism on every visible GPU against Megatron's output path: one torchrun
+            launch per TP size (a fresh process each, so Megatron's global state, the allocator and
+            a crash or hang at one size cannot touch the others), then one merged report
+            (options: ``tp --help``, plus ``--sizes 1,2,4`` and ``--launch-timeout S``)
+    render  no GPU: merge result files (both kinds) and rewrite their .md (and .png)
+
+Results go to ``benchmarks/results/<gpu>_<yyyymmdd>[_tp][_<tag>].{json,md,png}`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))
+
+import _common as C  # noqa: E402
+import bench_loss  # noqa: E402
+import bench_tp  # noqa: E402
+
+
+def run_tp(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks tp", add_help=False)
+    p.add_argument("--sizes", default="1,2,4", help="TP sizes, one torchrun launch each")
+    p.add_argument("--nproc", type=int, default=None, help="ranks per launch (default: every visible GPU)")
+    p.add_argument("--launch-timeout", type=float, default=180.0, help="seconds per launch")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default=None, help="suffix of the merged report")
+    p.add_argument("-h", "--help", action="store_true")
+    own, rest = p.parse_known_args(argv)
+    if own.help:
+        p.print_help()
+        print("\nEvery other option goes to each launch of bench_tp.py:\n")
+        return bench_tp.main(["--help"])
+    if own.nproc is None:
+        import torch
+
+        own.nproc = torch.cuda.device_count()
+        if own.nproc == 0:
+            raise SystemExit("tp: no GPU visible; pass --nproc N with --cpu-smoke to test the plumbing on gloo")
+    out = Path(own.out) if own.out else HERE / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    part = f"{own.tag}-part" if own.tag else "part"
+    rc = 0
+    for t in C.csv_list(own.sizes):
+        tag = f"{part}-tp{t}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={own.nproc}",
+               str(HERE / "bench_tp.py"), "--tp", t, "--out", str(out), "--tag", tag, *rest]
+        print(f"=== TP={t} on {own.nproc} ranks: {' '.join(cmd[2:])}", flush=True)
+        try:
+            status = subprocess.run(cmd, timeout=own.launch_timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            status = 124
+        if status:
+            print(f"=== TP={t} exited with status {status}", file=sys.stderr, flush=True)
+            rc = status
+    parts = sorted(out.glob(f"*_tp_{part}-tp*.json"))
+    if not parts:
+        print(f"tp: no results to merge in {out}", file=sys.stderr)
+        return rc or 1
+    merged = render([str(f) for f in parts], out=str(out), tag=own.tag)
+    for f in parts:  # the merged report replaces the per-launch ones; their .json are its sources
+        f.with_suffix(".md").unlink(missing_ok=True)
+    return rc or merged
+
+
+def render(files: list[str], *, out: str | None, tag: str | None) -> int:
+    kinds = {"tp" if "tp_sizes" in json.loads(Path(f).read_text())["meta"] else "loss" for f in files}
+    if len(kinds) != 1:
+        raise SystemExit("render: pass result files of one kind (loss or tp) at a time")
+    extra = (["--out", out] if out else []) + (["--tag", tag] if tag else [])
+    module = bench_tp if kinds == {"tp"} else bench_loss
+    return module.main(["--render", *files, *extra])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "loss":
+        return bench_loss.main(rest)
+    if command == "tp":
+        return run_tp(rest)
+    if command == "render":
+        p = argparse.ArgumentParser(prog="python -m benchmarks render")
+        p.add_argument("files", nargs="+")
+        p.add_argument("--out", default=None)
+        p.add_argument("--tag", default=None)
+        a = p.parse_args(rest)
+        return render(a.files, out=a.out, tag=a.tag)
+    raise SystemExit(f"unknown command {command!r}; known: loss, tp, render")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
