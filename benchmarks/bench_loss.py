@@ -83,6 +83,31 @@ def _make_compile():
     return torch.compile(eager_loss, dynamic=False)
 
 
+UPSTREAMS = {
+    "masked": "x loss_mask / count, the mask folded into ignore_index (Megatron's way, 10 % masked)",
+    "weighted": "x random per-token weights / N",
+}
+
+
+def _per_token(per_token_fn, upstream: str):
+    """A mean-like scalar from a per-token loss: Megatron's loss_mask / count, or random weights."""
+    cache: dict = {}
+
+    def loss(e, c, t):
+        if t not in cache:  # fixed per input set, made outside the timed region after the first call
+            cache.clear()
+            g = torch.Generator(t.device).manual_seed(1)
+            cache[t] = torch.rand(t.shape, device=t.device, generator=g)
+        r = cache[t]
+        if upstream == "masked":
+            mask = (r >= 0.1).float()
+            # cce_parallel.megatron.mask_labels (inlined: megatron-core need not be installed here)
+            return (per_token_fn(e, c, t.masked_fill(mask == 0, -100)) * mask).sum() / mask.sum()
+        return (per_token_fn(e, c, t) * r).sum() / t.numel()
+
+    return loss
+
+
 def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
     out: list[Method] = []
     for key in keys:
@@ -156,24 +181,35 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
                 )
                 continue
             impls = list(getattr(cce_parallel, "IMPLS", ()))
-            impl_part, budget_part, budget = C.parse_ours(key)
+            key_spec, _, upstream = key.partition("/")
+            if upstream not in ("", "masked", "weighted"):
+                raise SystemExit(f"unknown upstream {upstream!r} in {key!r}: masked or weighted")
+            upstream = upstream or None
+            impl_part, budget_part, budget = C.parse_ours(key_spec)
             if not impl_part:
                 wanted = [i for i in impls if i != "torch" or include_torch_impl]
             else:
                 wanted = [impl_part]
             for impl in wanted:
-                mkey = f"ours:{impl}" + (f"@{budget_part}" if budget_part else "")
+                mkey = f"ours:{impl}" + (f"@{budget_part}" if budget_part else "") + (f"/{upstream}" if upstream else "")
                 if any(m.key == mkey for m in out):
                     continue
                 if impl not in impls:
                     out.append(Method(mkey, f"cce_parallel {impl}", unavailable=f"not in IMPLS {impls}"))
                     continue
 
-                def make_ours(impl=impl, budget=budget, fn=cce_parallel.linear_cross_entropy):
-                    return lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)
+                def make_ours(impl=impl, budget=budget, upstream=upstream, fn=cce_parallel.linear_cross_entropy):
+                    if upstream is None:
+                        return lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)
+                    return _per_token(
+                        lambda e, c, t: fn(e, c, t, impl=impl, reduction="none", logits_budget=budget), upstream
+                    )
 
-                label = f"cce_parallel {impl}" + (f" @{budget_part}" if budget_part else "")
-                out.append(Method(mkey, label, make_ours, info={"impl": impl, "logits_budget": budget}))
+                label = f"cce_parallel {impl}" + (f" @{budget_part}" if budget_part else "") + (
+                    f", per-token loss {UPSTREAMS[upstream]}" if upstream else ""
+                )
+                info = {"impl": impl, "logits_budget": budget, "upstream": upstream}
+                out.append(Method(mkey, label, make_ours, info=info))
         else:
             raise SystemExit(
                 f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, ours, ours:<impl>"
@@ -218,7 +254,7 @@ def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, arg
         loss = fwd_bwd()
         C.sync(device)
         res["loss"] = float(loss.detach().float())
-        if ref is not None:
+        if ref is not None and not m.info.get("upstream"):  # the reference is the plain mean
             ref_loss, ref_ge, ref_gc = ref
             res["loss_rel_err"] = abs(res["loss"] - ref_loss) / abs(ref_loss)
             res["grad_e_rel_err"] = C.rel_err(e.grad, ref_ge) if e.grad is not None else None

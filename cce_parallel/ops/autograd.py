@@ -24,10 +24,10 @@ their fp32 output (kernels/from_logits.py):
   fp32 logit chunks into the statistics; the backward recomputes them and adds dE and dC chunk by
   chunk. Four logit-sized GEMMs, memory within about 100 MB of dE + dC.
 
-Accumulation: dE is summed in fp32 over the vocabulary (and over tensor-parallel ranks) and
-rounded once. On the one-pass path dC is summed over token blocks in fp32 for every impl but
-"cce" with bf16 inputs, which sums in bf16 as the paper's CCE does (half the memory, one rounding
-per token block). Nothing is filtered: on realistic data block sparsity is too low for skipping to
+Accumulation: dE is summed in fp32 over the vocabulary (and over tensor-parallel ranks), dC over
+token blocks in fp32 (into Megatron's fp32 main_grad where there is one), each rounded once. Summing
+dC in bf16 over the blocks, as the paper's CCE does, would save V x D x 2 bytes but measured worse
+than plain bf16 PyTorch (README, "Accuracy"). Nothing is filtered: on realistic data block sparsity is too low for skipping to
 pay (README, "Gradient filtering"). Everything is deterministic: library GEMMs and kernels without
 atomics.
 
@@ -52,20 +52,19 @@ from cce_parallel.ops import reference
 
 @dataclass(frozen=True)
 class ImplTraits:
-    """How an impl accumulates dC on the one-pass path: "dtype" in the gradient dtype (bf16 only;
-    fp16 and fp32 inputs use fp32), "fp32" in an fp32 buffer. triton: False for the PyTorch path."""
+    """triton: False for the PyTorch path. Every Triton impl computes the same thing now that
+    nothing is filtered and everything sums in fp32; the names stay for the API's users."""
 
-    accumulate: str
     triton: bool = True
 
 
 IMPL_TRAITS = {
-    "cce": ImplTraits(accumulate="dtype"),
-    "cce_kahan": ImplTraits(accumulate="fp32"),
-    "cce_kahan_full_c": ImplTraits(accumulate="fp32"),
-    "cce_kahan_full_e": ImplTraits(accumulate="fp32"),
-    "exact": ImplTraits(accumulate="fp32"),
-    "torch": ImplTraits(accumulate="fp32", triton=False),
+    "cce": ImplTraits(),
+    "cce_kahan": ImplTraits(),
+    "cce_kahan_full_c": ImplTraits(),
+    "cce_kahan_full_e": ImplTraits(),
+    "exact": ImplTraits(),
+    "torch": ImplTraits(triton=False),
 }
 
 
@@ -252,15 +251,15 @@ def _stats_of_block(x, bias, targets, cfg, comm):
 
 def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     """(lse, zt, zsum, dE, dC, dbias) with the gradients of grad_scale * per-token loss: dE the fp32
-    partial sum over this rank's vocabulary, dC in the accumulation dtype, dbias fp32; None where not
+    partial sum over this rank's vocabulary, dC and dbias fp32; None where not
     needed. See the module docstring.
 
     Per block the fp32 logits X are turned in place, by one pass, into W = exp(z - ref) (times the
     softcap's 1 - tanh^2), ref being each token's target logit, which all ranks agree on. With
     S = sum exp(z - ref) over the whole vocabulary and w = A / S per token, the logit gradient is
-    w W - B' [v == target] - U; the target term is folded into W's target entry, so that
-    dE = w (W C) (fp32, exact scaling) and dC += W^T (w E) (w E rounded to the input dtype once, as
-    the logit gradient itself is in plain PyTorch). A block whose exp(z - ref) overflows (a token
+    w W - B' [v == target] - U, so that dE = w (W C) - B' C[target] (fp32, exact scaling) and
+    dC += W^T (w E) - scatter of B' E over the targets (w E rounded to the input dtype once, as the
+    logit gradient itself is in plain PyTorch; the target term in fp32). A block whose exp(z - ref) overflows (a token
     whose target trails the largest logit by more than ~88, or NaN inputs) takes the two-pass
     variant instead: a statistics pass for lse, then the logit gradient in place. So do fp16 inputs
     (W would pass fp16's range) and softcap with label smoothing (its uniform term gets the
@@ -273,11 +272,10 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     f32 = dict(device=e.device, dtype=torch.float32)
     lse, zt = torch.empty(n, **f32), torch.empty(n, **f32)
     zsum = torch.empty(n, **f32) if cfg.label_smoothing > 0 else None
-    acc_dtype = c.dtype if cfg.traits.accumulate == "dtype" and c.dtype == torch.bfloat16 else torch.float32
     # Every block writes its rows of dE; the first block writes dC (beta = 0), later ones add.
     alloc = torch.empty if n > 0 else torch.zeros
     de = alloc((n, d), **f32) if cfg.need_de else None
-    dc = alloc((v, d), device=c.device, dtype=acc_dtype) if cfg.need_dc else None
+    dc = alloc((v, d), device=c.device, dtype=torch.float32) if cfg.need_dc else None
     db = torch.zeros(v, **f32) if cfg.need_db else None
     if n == 0 or v == 0:
         return lse, zt, zsum, de, dc, db
@@ -341,7 +339,9 @@ def _target_logits(e, c, bias, targets, softcap):
 
 def _fused_products(w_mat, s, e, c, targets, cfg, lse, zt, de_rows, dc, db, csum, u_rows, *, first):
     """dE rows, dC and dbias of one block from W (see one_pass): the gradient is w W - B' [target] - U
-    with w = A / S per token; B' / w goes into W at the target first."""
+    with w = A / S per token. The target term stays out of W: rounded into W's target entry it would
+    lose 2^-9 of what is, for an untrained model, most of each row's gradient. It is added in fp32
+    from the target rows of C and E instead (index_put_ with accumulate is deterministic)."""
     k = e.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
     a, b, u = coefficients(torch.full((k,), cfg.grad_scale, **f32), None, lse, cfg)
@@ -350,24 +350,22 @@ def _fused_products(w_mat, s, e, c, targets, cfg, lse, zt, de_rows, dc, db, csum
     here = (targets >= 0) & (targets < v)
     if cfg.softcap is not None:
         b = b * (1.0 - (zt / cfg.softcap) ** 2)  # d z / d x at the target: 1 - tanh^2
-    # W's target entry: exp(zt - ref) (times 1 - tanh^2) - B' / w, rounded once; ref = zt there.
-    # Dense over the rows (no host sync): rows whose target another rank holds keep their entry.
-    rows = torch.arange(k, device=e.device)
+    b = torch.where(here, b, 0.0)[:, None]  # rows whose target another rank holds add nothing here
     cols = targets.clamp(0, v - 1)
-    p_t = 1.0 - (zt / cfg.softcap) ** 2 if cfg.softcap is not None else 1.0
-    entry = torch.where(here, p_t - b / w, w_mat[rows, cols].float())
-    w_mat.index_put_((rows, cols), entry.to(w_mat.dtype))
     if de_rows is not None:
         _mm_into(de_rows, w_mat, c, accumulate=False)
         de_rows.mul_(w[:, None])
+        de_rows.sub_(b * c.index_select(0, cols).float())
         if u is not None:
             de_rows.addr_(u, csum, alpha=-1.0)
     if dc is not None:
         _mm_into(dc, w_mat.t(), (e.float() * w[:, None]).to(e.dtype), accumulate=not first)
+        dc.index_put_((cols,), (-b * e.float()).to(dc.dtype), accumulate=True)
         if u is not None:
             u_rows.add_(u @ e.float())
     if db is not None:
         db.add_(torch.mm(w_mat.t(), w.to(w_mat.dtype)[:, None], **_fp32_out(w_mat)).squeeze(1))
+        db.index_put_((cols,), -b[:, 0], accumulate=True)
         if u is not None:
             db.sub_(u.sum())
 

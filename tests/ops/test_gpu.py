@@ -2,7 +2,7 @@
 
 Rule (as in the paper's tests): for each output, the relative Frobenius error of a Triton impl
 against float64 is at most that of plain PyTorch in the same dtype (tests/oracle.py: logits in
-bf16/fp16, then fp32 cross-entropy), plus EPS. Run with `pytest -s` to see the measured errors.
+bf16/fp16, then fp32 cross-entropy), within SLACK (5 %). Run with `pytest -s` to see the measured errors.
 
 The cases take every backward: the one-pass gradients scaled by a scalar upstream gradient (mean,
 sum) or by one number over the kept tokens (reduction "none" with a uniform upstream, Megatron's
@@ -25,10 +25,16 @@ from tests.oracle import oracle, plain_torch, rel_err
 
 pytestmark = pytest.mark.gpu
 
-# "cce" sums dC over token blocks in bf16; every other Triton impl in fp32, identically (see
-# test_fp32_impls_agree), so one of them stands for all.
-TRITON_IMPLS = ("cce", "cce_kahan_full_c")
-EPS = {"loss": 1e-3, "lse": 1e-3, "de": 1e-2, "dc": 1e-2, "dbias": 1e-2}
+# The Triton impls compute the same thing, bit for bit (test_triton_impls_agree): the pretraining
+# one stands for all.
+TRITON_IMPLS = ("cce_kahan_full_c",)
+# "No worse than plain PyTorch": at most 5 % above its error (or below a floor far under any
+# low-precision error, for quantities plain PyTorch gets nearly exact).
+SLACK, FLOOR = 1.05, 1e-5
+
+
+def worse_than_plain(errs: dict, plain_errs: dict) -> dict:
+    return {k: v for k, v in errs.items() if not v <= max(SLACK * plain_errs[k], FLOOR)}
 ORACLE_ELEMENTS = 2**26  # tokens per oracle chunk = this // V (512 MB per fp64 [chunk, V] tensor)
 
 
@@ -92,6 +98,11 @@ CASES = [
         options=(("reduction", "none"), ("logits_budget", 256 << 20)),
     ),
     GpuCase("random-32k", 4096, 32000, 2048, (BF16, FP16), peaked=False, options=(("reduction", "none"),)),
+    # An untrained model: each row's gradient is mostly its target term (one-pass, several blocks).
+    GpuCase(
+        "random-gemma2-blocks", 4096, 256000, 2304, (BF16,), peaked=False,
+        options=(("reduction", "mean"), ("logits_budget", 1 << 30)),
+    ),
     GpuCase(
         "random-32k-lean", 4096, 32000, 2048, (BF16, FP16), peaked=False, bias=True,
         options=(("reduction", "sum"), ("logits_budget", "lean"), ("softcap", 30.0)),
@@ -159,20 +170,20 @@ def test_no_worse_than_plain_pytorch(case_name, dtype, impl):
     check_meta(out, inputs, options)
     errs = errors(out, ref)
     show(f"{case_name} {dtype} {impl}", errs, plain_errs)
-    bad = {k: v for k, v in errs.items() if not v <= plain_errs[k] + EPS[k]}
-    assert not bad, f"worse than plain PyTorch in {dtype} by more than {EPS}: {bad} vs {plain_errs}"
+    bad = worse_than_plain(errs, plain_errs)
+    assert not bad, f"worse than plain PyTorch in {dtype}: {bad} vs {plain_errs}"
 
 
-def test_fp32_impls_agree():
-    """The impls that accumulate in fp32 compute the same thing, bit for bit."""
+def test_triton_impls_agree():
+    """Every Triton impl computes the same thing, bit for bit."""
     case = CASE_BY_NAME["all-options-32k"]
     inputs = case.inputs(BF16)
     grads = upstream(inputs["targets"], "mean", False)
     options = dict(case.opts, reduction="mean", return_lse=False)
-    outs = [run(linear_cross_entropy, inputs, dict(options, impl=i), *grads) for i in IMPLS if i not in ("cce", "torch")]
+    outs = [run(linear_cross_entropy, inputs, dict(options, impl=i), *grads) for i in IMPLS if i != "torch"]
     for other in outs[1:]:
         for name, a, b in zip(outs[0]._fields, outs[0], other):
-            assert (a is None and b is None) or torch.equal(a, b), f"fp32 impls differ in {name}"
+            assert (a is None and b is None) or torch.equal(a, b), f"Triton impls differ in {name}"
 
 
 @pytest.mark.parametrize("impl", ["exact", "cce"])
@@ -218,10 +229,10 @@ def test_flat_index_beyond_int32(impl):
     assert not bad, f"errors past the int32 range: {bad} (limits {limits})"
 
 
-@pytest.mark.parametrize("impl, budget", [("cce", "auto"), ("cce_kahan_full_c", 512 << 20), ("cce", "lean")])
+@pytest.mark.parametrize("impl, budget", [("cce_kahan_full_c", "auto"), ("cce_kahan_full_c", 512 << 20), ("cce", "lean")])
 def test_peak_memory(impl, budget):
     """Forward + backward beyond the inputs: the one-pass path needs dE + dC, its logits buffer, an
-    fp32 dE, and for the fp32-accumulating impls an fp32 dC; the lean path the 64 MB chunk and an
+    fp32 dE and an fp32 dC; the lean path the 64 MB chunk and an
     fp32 dE instead of a buffer and the fp32 dC."""
     from cce_parallel.ops.functional import resolve_logits_budget
 
@@ -247,7 +258,7 @@ def test_peak_memory(impl, budget):
     if budget == "lean":
         extra = 64 * 2**20 + n * dim * 4
     else:
-        extra = resolve_logits_budget(budget) + n * dim * 4 + (vocab * dim * 4 if impl != "cce" else 0)
+        extra = resolve_logits_budget(budget) + n * dim * 4 + vocab * dim * 4
     limit = grads + extra + 32 * 2**20
     print(
         f"\n{impl} @ {budget}: peak memory above inputs {peak / 2**20:.1f} MiB; dE + dC = "
@@ -274,11 +285,11 @@ def test_token_blocks_no_worse_than_plain_pytorch(dtype, monkeypatch):
     out = run(linear_cross_entropy, inputs, options, grad_loss, grad_lse)
     errs = errors(out, ref)
     show(f"token blocks {dtype}", errs, plain_errs)
-    bad = {k: v for k, v in errs.items() if not v <= plain_errs[k] + EPS[k]}
-    assert not bad, f"worse than plain PyTorch in {dtype} by more than {EPS}: {bad} vs {plain_errs}"
+    bad = worse_than_plain(errs, plain_errs)
+    assert not bad, f"worse than plain PyTorch in {dtype}: {bad} vs {plain_errs}"
 
 
-@pytest.mark.parametrize("impl", ["cce", "cce_kahan_full_c"])
+@pytest.mark.parametrize("impl", TRITON_IMPLS)
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_one_pass_token_blocks_no_worse_than_plain_pytorch(dtype, impl):
     """The one-pass path over several token blocks (a 32 MB budget: 262 tokens per block of the
@@ -292,5 +303,5 @@ def test_one_pass_token_blocks_no_worse_than_plain_pytorch(dtype, impl):
     out = run(linear_cross_entropy, inputs, dict(opts, impl=impl, logits_budget=32 << 20), grad_loss)
     errs = errors(out, ref)
     show(f"one pass, token blocks {dtype} {impl}", errs, plain_errs)
-    bad = {k: v for k, v in errs.items() if not v <= plain_errs[k] + EPS[k]}
-    assert not bad, f"worse than plain PyTorch in {dtype} by more than {EPS}: {bad} vs {plain_errs}"
+    bad = worse_than_plain(errs, plain_errs)
+    assert not bad, f"worse than plain PyTorch in {dtype}: {bad} vs {plain_errs}"
