@@ -45,6 +45,15 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_per_token_state(monkeypatch):
+    """Each test starts as a fresh process: no per-token weights seen (ops/autograd.py), so a test's
+    reduction "none" calls take the path their options ask for."""
+    from cce_parallel.ops import autograd
+
+    monkeypatch.setattr(autograd, "per_token_weights_seen", False)
+
+
 @pytest.fixture
 def device() -> torch.device:
     """Device for the small fp32 kernel tests: the CPU (interpreter), or CUDA with CCE_TEST_GPU=1."""

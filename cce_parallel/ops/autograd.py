@@ -528,18 +528,21 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
 # ----------------------------------------------------------------------------------------------
 # the Function
 
-_warned_fallback = False
+# Set once a per-token loss's backward got per-token weights: from then on, reduction "none" takes
+# the lean path (ops/functional.py), which computes them with no wasted work. Training loops call
+# the loss the same way every step, so only the first step pays for the recompute.
+per_token_weights_seen = False
 
 
 def _warn_fallback():
-    global _warned_fallback
-    if not _warned_fallback:
-        _warned_fallback = True
+    global per_token_weights_seen
+    if not per_token_weights_seen:
+        per_token_weights_seen = True
         warnings.warn(
             "cce_parallel: the per-token loss's upstream gradient is not one number over the kept tokens, so "
             "the gradients computed in the forward cannot just be scaled; dC is recomputed (exact, slower). "
-            "Fold loss masks into ignore_index for the one-pass speed, or pass logits_budget=0 for per-token "
-            "weights.",
+            "Later calls with reduction='none' in this process take the lean path (logits_budget='lean'). "
+            "Fold loss masks into ignore_index (cce_parallel.megatron.mask_labels) to keep the one-pass speed.",
             stacklevel=3,
         )
 

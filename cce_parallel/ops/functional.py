@@ -12,6 +12,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from cce_parallel.ops.autograd import IMPL_TRAITS, SINGLE, Collectives, LinearCrossEntropyFunction, LossConfig
+from cce_parallel.ops import autograd
 
 IMPLS = tuple(IMPL_TRAITS)
 REDUCTIONS = ("none", "sum", "mean")
@@ -242,7 +243,8 @@ def sharded_linear_cross_entropy(
         kernel=kernel_cfg,
         logits_budget=budget,
         block_vocab=largest_shard or shard,
-        one_pass=use_triton and budget > 0 and torch.is_grad_enabled() and any(need),
+        one_pass=use_triton and budget > 0 and torch.is_grad_enabled() and any(need)
+        and not (reduction == "none" and autograd.per_token_weights_seen),
         need_de=need[0],
         need_dc=need[1],
         need_db=need[2],

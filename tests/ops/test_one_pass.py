@@ -33,7 +33,6 @@ def lean_calls(monkeypatch):
         return real(*args, need_de=need_de, **kwargs)
 
     monkeypatch.setattr(autograd, "lean_backward", spy)
-    monkeypatch.setattr(autograd, "_warned_fallback", False)
     return calls
 
 
@@ -61,6 +60,14 @@ def test_per_token_weights_scale_de_and_recompute_dc(device, lean_calls):
     with pytest.warns(UserWarning, match="not one number"):
         check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label="weights")
     assert lean_calls == [False], "dC and dbias are recomputed once, dE is not"
+    # The next per-token call takes the lean path from the start (its backward computes dE too).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label="weights, later")
+    assert lean_calls == [False, True]
+    # reduction "mean" keeps the one-pass path.
+    run(linear_cross_entropy, x, dict(options, reduction="mean"))
+    assert lean_calls == [False, True]
 
 
 def test_gradient_through_lse_recomputes_everything(device, lean_calls):
