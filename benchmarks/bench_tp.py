@@ -741,7 +741,7 @@ def render_markdown(data: dict) -> str:
         ),
         f"- env: {', '.join(f'{k}={v}' for k, v in sorted(meta.get('env', {}).items())) or 'none recorded'}",
         "",
-        "Regimes (the filtering impls' speed depends on them):",
+        "Regimes:",
     ]
     for r, text in meta.get("regimes", {}).items():
         lines.append(f"- **{r}**: {text}")
