@@ -25,11 +25,11 @@ their fp32 output (kernels/from_logits.py):
   chunk. Four logit-sized GEMMs, memory within about 100 MB of dE + dC.
 
 Accumulation: dE is summed in fp32 over the vocabulary (and over tensor-parallel ranks), dC over
-token blocks in fp32 (added into Megatron's main_grad at backward where there is one), each rounded once. Summing
-dC in bf16 over the blocks, as the paper's CCE does, would save V x D x 2 bytes but measured worse
-than plain bf16 PyTorch (README, "Accuracy"). Nothing is filtered: on realistic data block sparsity is too low for skipping to
-pay (README, "Gradient filtering"). Everything is deterministic: library GEMMs and kernels without
-atomics.
+token blocks in fp32 (added into Megatron's main_grad at backward where there is one), each rounded
+once. Summing dC in bf16 over the blocks, as the paper's CCE does, would save V x D x 2 bytes but
+measured worse than plain bf16 PyTorch (README, "Accuracy"). Nothing is filtered: on realistic data
+block sparsity is too low for skipping to pay (README, "Gradient filtering"). Everything is
+deterministic: library GEMMs and kernels without atomics.
 
 Under tensor parallelism each rank holds a shard of the vocabulary. Per token (block), the ranks
 combine their max with one all-reduce (MAX) and their rescaled sums, target logits and logit sums
