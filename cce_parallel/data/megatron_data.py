@@ -43,7 +43,7 @@ def _import_megatron():
         from megatron.core.datasets import gpt_dataset  # noqa: F401
     except ImportError as err:
         raise ImportError(
-            f"reading the datasets needs megatron-core ({err}): pip install 'megatron-core>=0.15,<0.20'"
+            f"reading the datasets needs megatron-core ({err}): pip install 'megatron-core>=0.16.1,<0.20'"
         ) from None
     try:  # megatron-core >= 0.14: the abstract tokenizer GPTDatasetConfig is typed with
         from megatron.core.tokenizers import MegatronTokenizerBase
