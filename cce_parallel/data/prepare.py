@@ -104,7 +104,8 @@ def load_dataset_info(out_dir) -> DatasetInfo:
     try:
         return DatasetInfo.from_json(json.loads(path.read_text()), path.parent)
     except (ValueError, TypeError, AttributeError) as err:
-        raise DataError(f"{path} is not a dataset description ({type(err).__name__}: {err}): prepare again") from None
+        what = f"{type(err).__name__}: {err}"
+        raise DataError(f"{path} is not a dataset description ({what}): prepare the dataset again") from None
 
 
 def split_documents(
@@ -164,7 +165,7 @@ def _import_builder():
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     except ImportError as err:
         raise ImportError(
-            f"writing .bin/.idx files needs megatron-core ({err}): pip install 'megatron-core>=0.15,<0.20'"
+            f"writing .bin/.idx files needs megatron-core ({err}): pip install 'megatron-core>=0.16.1,<0.20'"
         ) from None
     return DType, IndexedDatasetBuilder
 
