@@ -1,11 +1,22 @@
 # The two commands of the README. Both work on a fresh CPU-only machine.
-PY ?= python3
+#
+# Everything goes into the active virtualenv (VIRTUAL_ENV set), or else into the project's own,
+# .venv, created on first use: so `make setup` works on a Python whose system packages pip must
+# not touch (PEP 668, "externally managed"). PYTHON is the interpreter that creates .venv.
+PYTHON ?= python3
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+PY := $(VENV)/bin/python
 
 .PHONY: setup demo test test-gpu
 
-setup:
-	$(PY) -m pip install -q torch==2.13.0 triton numpy pytest pyyaml megatron-core==0.16.1 tokenizers
-	$(PY) -m pip install -q --no-deps -e .
+# torch is pinned to its CPU build: an unpinned torch pulls GBs of CUDA packages. The test extra
+# is megatron-core (the newest of 0.16.1-0.19.x this Python supports), tokenizers, pyyaml, wandb
+# and pytest.
+setup: $(PY)
+	$(PY) -m pip install -q torch==2.13.0 -e '.[test]'
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
 
 # The main job: the tiny recipe (recipes/tiny.yaml), a megatron-core GPT trained with CCE at TP=2
 # over gloo, offline, on CPU (the data is tokenized on first use).

@@ -5,9 +5,18 @@
 Importing this package needs neither megatron-core nor ``tokenizers``; the functions that use
 them import them and say what to install when they are missing. Names are resolved on first
 use, so that ``python -m cce_parallel.data.prepare`` does not import its module twice.
+
+Bad input (a missing or unreadable source, too few documents, a bad JSON line, an unknown
+tokenizer, a dataset directory prepared otherwise, ...) raises ``DataError``, whose message says
+what is wrong and where; the command lines print it as one line.
 """
 
 import importlib
+
+
+class DataError(ValueError):
+    """The data or the arguments that name it are wrong (not a bug here): the message says how."""
+
 
 _EXPORTS = {
     "DatasetInfo": "prepare",
@@ -21,7 +30,7 @@ _EXPORTS = {
     "gpt_dataset_config": "megatron_data",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["DataError", *_EXPORTS]
 
 
 def __getattr__(name):

@@ -31,6 +31,7 @@ import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
+from cce_parallel.data import DataError
 from cce_parallel.data.prepare import CACHE_NAME, DatasetInfo
 from cce_parallel.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -42,7 +43,7 @@ def _import_megatron():
         from megatron.core.datasets import gpt_dataset  # noqa: F401
     except ImportError as err:
         raise ImportError(
-            f"reading the datasets needs megatron-core ({err}): pip install 'megatron-core>=0.15,<0.20'"
+            f"reading the datasets needs megatron-core ({err}): pip install 'megatron-core>=0.16.1,<0.20'"
         ) from None
     try:  # megatron-core >= 0.14: the abstract tokenizer GPTDatasetConfig is typed with
         from megatron.core.tokenizers import MegatronTokenizerBase
@@ -116,14 +117,14 @@ def gpt_dataset_config(
 
     tokenizer = load_tokenizer(info) if tokenizer is None else tokenizer
     if tokenizer.eod != info.eod_id or tokenizer.vocab_size != info.vocab_size:
-        raise ValueError(
+        raise DataError(
             f"the tokenizer (vocab {tokenizer.vocab_size}, eod {tokenizer.eod}) is not the one {info.out_dir} "
             f"was written with (vocab {info.vocab_size}, eod {info.eod_id})"
         )
     for prefix in (info.train_prefix, info.valid_prefix):
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
-                raise FileNotFoundError(f"{prefix + ext} does not exist: prepare the dataset again")
+                raise DataError(f"{prefix + ext} does not exist: prepare the dataset again")
     fields = {
         "random_seed": seed,
         "sequence_length": seq_length,

@@ -34,11 +34,13 @@ import shutil
 import struct
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from cce_parallel.data import DataError
 from cce_parallel.data.sources import open_source
 from cce_parallel.data.tokenizer import HFTokenizer, Tokenizer, check_spec, load_tokenizer, train_bpe
 
@@ -96,10 +98,14 @@ def load_dataset_info(out_dir) -> DatasetInfo:
     """The DatasetInfo of a directory written by ``prepare_dataset``."""
     path = Path(out_dir) / INFO_NAME
     if not path.is_file():
-        raise FileNotFoundError(
+        raise DataError(
             f"{path} does not exist: prepare the dataset first (python -m cce_parallel.data.prepare --out {out_dir})"
         )
-    return DatasetInfo.from_json(json.loads(path.read_text()), path.parent)
+    try:
+        return DatasetInfo.from_json(json.loads(path.read_text()), path.parent)
+    except (ValueError, TypeError, AttributeError) as err:
+        what = f"{type(err).__name__}: {err}"
+        raise DataError(f"{path} is not a dataset description ({what}): prepare the dataset again") from None
 
 
 def split_documents(
@@ -114,7 +120,7 @@ def split_documents(
     n_valid = max(1, round(n_documents * valid_fraction))
     n_train = n_documents - n_valid if train_fraction is None else max(1, round(n_documents * train_fraction))
     if n_train < 1 or n_train + n_valid > n_documents:
-        raise ValueError(
+        raise DataError(
             f"{n_documents} documents cannot give {n_valid} validation and {max(n_train, 1)} training documents"
         )
     perm = np.random.default_rng(seed).permutation(n_documents)
@@ -123,9 +129,9 @@ def split_documents(
 
 def _check_fractions(train_fraction, valid_fraction):
     if not 0.0 < valid_fraction < 1.0:
-        raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}")
+        raise DataError(f"valid_fraction must be in (0, 1), got {valid_fraction}")
     if train_fraction is not None and not 0.0 < train_fraction <= 1.0 - valid_fraction:
-        raise ValueError(
+        raise DataError(
             f"train_fraction must be in (0, 1 - valid_fraction = {1.0 - valid_fraction:g}], got {train_fraction}"
         )
 
@@ -159,7 +165,7 @@ def _import_builder():
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     except ImportError as err:
         raise ImportError(
-            f"writing .bin/.idx files needs megatron-core ({err}): pip install 'megatron-core>=0.15,<0.20'"
+            f"writing .bin/.idx files needs megatron-core ({err}): pip install 'megatron-core>=0.16.1,<0.20'"
         ) from None
     return DType, IndexedDatasetBuilder
 
@@ -225,11 +231,11 @@ def _existing(out: Path, args: dict, overwrite: bool) -> DatasetInfo | None:
     if not overwrite:
         if info.args == args:
             missing = [f for f in files if not os.path.isfile(f)]
-            raise FileExistsError(
+            raise DataError(
                 f"{out} holds an incomplete dataset (missing {missing}); pass overwrite=True (--overwrite)"
             )
         diff = {k: (info.args.get(k), v) for k, v in args.items() if info.args.get(k) != v}
-        raise FileExistsError(
+        raise DataError(
             f"{out} already holds a dataset prepared with other arguments (existing, requested): {diff}; "
             "choose another output directory or pass overwrite=True (--overwrite)"
         )
@@ -262,11 +268,11 @@ def prepare_dataset(
     tokenizer = check_spec(tokenizer)
     _check_fractions(train_fraction, valid_fraction)
     if max_documents is not None and max_documents < 2:
-        raise ValueError(f"max_documents must be at least 2 (one train, one valid), got {max_documents}")
+        raise DataError(f"max_documents must be at least 2 (one train, one valid), got {max_documents}")
     if min_document_chars < 1:
-        raise ValueError(f"min_document_chars must be at least 1, got {min_document_chars}")
+        raise DataError(f"min_document_chars must be at least 1, got {min_document_chars}")
     if tokenizer == "bpe" and vocab_size < 258:
-        raise ValueError(f"vocab_size {vocab_size}: a byte-level BPE needs at least 258")
+        raise DataError(f"vocab_size {vocab_size}: a byte-level BPE needs at least 258")
     src = open_source(source)
     out = Path(out_dir).expanduser().resolve()
     args = _arguments(
@@ -298,7 +304,7 @@ def prepare_dataset(
     try:
         n_total = src.count(max_documents)
         if n_total < 2:
-            raise ValueError(f"source {src.spec!r} holds {n_total} document(s); at least 2 are needed")
+            raise DataError(f"source {src.spec!r} holds {n_total} document(s); at least 2 are needed")
         train_idx, valid_idx = split_documents(n_total, train_fraction, valid_fraction, seed)
         logger.info(
             "%s: %d documents; %d chosen for training, %d for validation",
@@ -329,7 +335,7 @@ def prepare_dataset(
             logger.info("dropped %d chosen documents shorter than %d characters", dropped, min_document_chars)
         for name, spill in (("training", train), ("validation", valid)):
             if spill.count == 0:
-                raise ValueError(
+                raise DataError(
                     f"no {name} document left from {src.spec!r} (min_document_chars={min_document_chars}); "
                     "use more documents or a larger fraction"
                 )
@@ -418,6 +424,7 @@ def main(argv=None) -> int:
         "--overwrite", action="store_true", help="replace a dataset prepared with other arguments"
     )
     a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore", module=r"megatron\.core")  # its import warns that TE/apex are missing
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("cce_parallel").setLevel(logging.INFO)
     try:
@@ -433,8 +440,11 @@ def main(argv=None) -> int:
             min_document_chars=a.min_document_chars,
             overwrite=a.overwrite,
         )
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except DataError as err:
+        print(f"cce-prepare-data: invalid data: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # an optional package that this source or tokenizer needs
+        print(f"cce-prepare-data: {err}", file=sys.stderr)
         return 2
     print(summary(info))
     return 0

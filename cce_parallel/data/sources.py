@@ -17,6 +17,7 @@ aligned with ``count()``.
 """
 
 import ast
+import contextlib
 import itertools
 import json
 import lzma
@@ -25,6 +26,8 @@ import sysconfig
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from cce_parallel.data import DataError
 
 OPENWEBTEXT = "Skylion007/openwebtext"
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet", ".xz")
@@ -58,12 +61,12 @@ def open_source(spec: str) -> Source:
     if spec.startswith("hf:"):
         name, _, config = spec[3:].partition(":")
         if not name:
-            raise ValueError(f"source {spec!r}: no dataset name after 'hf:'")
+            raise DataError(f"source {spec!r}: no dataset name after 'hf:'")
         return HFSource(name, config or None)
     path = Path(spec).expanduser()
     if path.exists():
         return LocalSource(path)
-    raise FileNotFoundError(f"source {spec!r}: no such file or directory; {SOURCE_HELP}")
+    raise DataError(f"source {spec!r}: no such file or directory; {SOURCE_HELP}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,9 +143,9 @@ def _jsonl_texts(lines, where: str) -> Iterator[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{where}:{lineno}: not a JSON line ({err})") from None
+            raise DataError(f"{where}:{lineno}: not a JSON line ({err})") from None
         if not isinstance(obj, dict) or "text" not in obj:
-            raise ValueError(f"{where}:{lineno}: expected a JSON object with a 'text' field")
+            raise DataError(f"{where}:{lineno}: expected a JSON object with a 'text' field")
         yield obj["text"] or ""
 
 
@@ -166,7 +169,7 @@ class LocalSource(Source):
         self.spec = str(path)
         if path.is_file():
             if not path.name.endswith(LOCAL_SUFFIXES):
-                raise ValueError(f"source {self.spec!r}: unsupported file type; {SOURCE_HELP}")
+                raise DataError(f"source {self.spec!r}: unsupported file type; {SOURCE_HELP}")
             self.files = [path]
         else:
             self.files = []
@@ -178,7 +181,7 @@ class LocalSource(Source):
                     if f.endswith(LOCAL_SUFFIXES) and not f.startswith(".")
                 ]
             if not self.files:
-                raise FileNotFoundError(
+                raise DataError(
                     f"source {self.spec!r}: the directory holds no file to read; {SOURCE_HELP}"
                 )
 
@@ -222,7 +225,7 @@ class LocalSource(Source):
         elif kind == "parquet":
             pf = _import_pyarrow_parquet().ParquetFile(path)
             if "text" not in pf.schema_arrow.names:
-                raise ValueError(f"{path}: no 'text' column (columns: {pf.schema_arrow.names})")
+                raise DataError(f"{path}: no 'text' column (columns: {pf.schema_arrow.names})")
             for batch in pf.iter_batches(columns=["text"]):
                 for text in batch.column(0).to_pylist():
                     yield text or ""
@@ -235,14 +238,27 @@ class LocalSource(Source):
     def count(self, limit: int | None = None) -> int:
         total = 0
         for path in self.files:
-            total += self._count_file(path)
+            with _reading(path):
+                total += self._count_file(path)
             if limit is not None and total >= limit:
                 return limit
         return total
 
     def __iter__(self) -> Iterator[str]:
         for path in self.files:
-            yield from self._iter_file(path)
+            with _reading(path):
+                yield from self._iter_file(path)
+
+
+@contextlib.contextmanager
+def _reading(path: Path):
+    """A file that cannot be read (truncated or corrupt archive, no permission, ...) is a DataError."""
+    try:
+        yield
+    except DataError:
+        raise
+    except (OSError, EOFError, ValueError, lzma.LZMAError, tarfile.TarError) as err:
+        raise DataError(f"{path}: cannot read it ({type(err).__name__}: {err})") from err
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +298,7 @@ class HFSource(Source):
             except Exception as err:  # noqa: BLE001 - reported below with the other attempt
                 errors.append(f"revision {revision or 'main'}: {type(err).__name__}: {err}")
         else:
-            raise RuntimeError(
+            raise DataError(
                 f"could not load the Hugging Face dataset {self.name!r} (split {self.split!r}):\n  "
                 + "\n  ".join(errors)
                 + "\nCheck the name and the network (HF_HUB_OFFLINE, HF_ENDPOINT), or download the data "
@@ -301,5 +317,5 @@ class HFSource(Source):
     def __iter__(self) -> Iterator[str]:
         for example in self._dataset():
             if self.column not in example:
-                raise ValueError(f"dataset {self.name!r} has no column {self.column!r}: {sorted(example)}")
+                raise DataError(f"dataset {self.name!r} has no column {self.column!r}: {sorted(example)}")
             yield example[self.column] or ""

@@ -24,6 +24,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from cce_parallel.data import DataError
+
 BPE_EOD = "<|endoftext|>"
 # End-of-text tokens of common Hugging Face tokenizers (GPT-2/Qwen/Phi, Llama 3, Llama 2/Mistral,
 # Gemma): the first one in the vocabulary is the EOD, before the tokenizer's own eos.
@@ -53,7 +55,7 @@ class Tokenizer:
         self._eod = int(eod)
         self._fingerprint = fingerprint
         if not 0 <= self._eod < self._vocab_size:
-            raise ValueError(f"tokenizer {spec!r}: eod id {eod} is outside the vocabulary [0, {vocab_size})")
+            raise DataError(f"tokenizer {spec!r}: eod id {eod} is outside the vocabulary [0, {vocab_size})")
 
     # -- what megatron-core reads ------------------------------------------------------------
     @property
@@ -190,7 +192,7 @@ def _resolve_eod(tok, eod, where: str) -> int:
         idx = tok.token_to_id(name)
         if idx is not None:
             return idx
-    raise ValueError(
+    raise DataError(
         f"tokenizer {where}: no end-of-document token among {names}; "
         "name it in the model directory's tokenizer_config.json (eos_token)"
     )
@@ -217,7 +219,7 @@ def _load_hf(name: str, spec: str) -> HFTokenizer:
             return HFTokenizer.from_file(path / "tokenizer.json", spec=spec, eod=_eos_from_config(path))
         return _load_transformers(str(path), spec)
     if local_like:
-        raise FileNotFoundError(f"tokenizer {spec!r}: no such file or directory {str(path)!r}")
+        raise DataError(f"tokenizer {spec!r}: no such file or directory {str(path)!r}")
     # A Hub name: through transformers when installed (it reads the HF cache and handles tokenizers
     # shipped without tokenizer.json), else the tokenizers library's own download.
     try:
@@ -230,7 +232,7 @@ def _load_hf(name: str, spec: str) -> HFTokenizer:
     try:
         tok = tokenizers.Tokenizer.from_pretrained(name)
     except Exception as err:
-        raise RuntimeError(
+        raise DataError(
             f"tokenizer {spec!r}: {name!r} is not a local file or directory, and fetching its tokenizer.json "
             f"from the Hugging Face Hub failed ({type(err).__name__}: {err}). Give a local tokenizer.json or "
             "model directory, check the network, or `pip install transformers` to use the HF cache."
@@ -249,12 +251,12 @@ def _load_transformers(name: str, spec: str) -> HFTokenizer:
     try:
         auto = AutoTokenizer.from_pretrained(name)
     except Exception as err:
-        raise RuntimeError(
+        raise DataError(
             f"tokenizer {spec!r}: transformers could not load {name!r} ({type(err).__name__}: {err}). "
             "Check the name, the network or HF_HUB_OFFLINE and the HF cache."
         ) from err
     if not getattr(auto, "is_fast", False):
-        raise ValueError(f"tokenizer {spec!r}: only fast (Rust) tokenizers are supported; {name!r} is slow")
+        raise DataError(f"tokenizer {spec!r}: only fast (Rust) tokenizers are supported; {name!r} is slow")
     tok = auto.backend_tokenizer
     return HFTokenizer(tok, spec, eod=_resolve_eod(tok, auto.eos_token, name))
 
@@ -270,9 +272,9 @@ def _load_tiktoken(name: str, spec: str) -> TiktokenTokenizer:
         try:
             enc = tiktoken.encoding_for_model(name)
         except KeyError:
-            raise ValueError(f"tokenizer {spec!r}: tiktoken knows no encoding or model {name!r}") from None
+            raise DataError(f"tokenizer {spec!r}: tiktoken knows no encoding or model {name!r}") from None
     except Exception as err:
-        raise RuntimeError(
+        raise DataError(
             f"tokenizer {spec!r}: tiktoken could not load {name!r} ({type(err).__name__}: {err}). Its BPE file "
             "is downloaded once and cached in $TIKTOKEN_CACHE_DIR; offline, copy the cache there."
         ) from err
@@ -280,11 +282,11 @@ def _load_tiktoken(name: str, spec: str) -> TiktokenTokenizer:
 
 
 def check_spec(spec: str) -> str:
-    """Raise ValueError unless ``spec`` is a tokenizer spec; return it."""
+    """Raise DataError unless ``spec`` is a tokenizer spec; return it."""
     spec = str(spec)
     if spec == "bpe" or (spec.startswith(("hf:", "tiktoken:")) and spec.split(":", 1)[1]):
         return spec
-    raise ValueError(f"unknown tokenizer {spec!r}: {TOKENIZER_HELP}")
+    raise DataError(f"unknown tokenizer {spec!r}: {TOKENIZER_HELP}")
 
 
 def load_tokenizer(info_or_spec) -> Tokenizer:
@@ -300,7 +302,7 @@ def load_tokenizer(info_or_spec) -> Tokenizer:
             return HFTokenizer.from_file(info.tokenizer_path, spec=info.tokenizer, eod=info.eod_id)
         tok = load_tokenizer(info.tokenizer)
         if tok.eod != info.eod_id or tok.vocab_size != info.vocab_size:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {info.tokenizer!r} loads with vocab {tok.vocab_size} / eod {tok.eod}, but the data in "
                 f"{info.out_dir} was written with vocab {info.vocab_size} / eod {info.eod_id}"
             )
@@ -314,7 +316,7 @@ def load_tokenizer(info_or_spec) -> Tokenizer:
     if path.is_file() and path.suffix == ".json":
         return HFTokenizer.from_file(path)
     if spec == "bpe":
-        raise ValueError(
+        raise DataError(
             "the tokenizer 'bpe' is trained per dataset by prepare_dataset: pass its DatasetInfo, "
             "its directory or its tokenizer.json"
         )
@@ -333,7 +335,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, path=None, length: int |
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 258:
-        raise ValueError(
+        raise DataError(
             f"vocab_size {vocab_size}: a byte-level BPE needs at least 258 (256 bytes, EOD, one merge)"
         )
     tok = tokenizers.Tokenizer(models.BPE())

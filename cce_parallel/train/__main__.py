@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     from cce_parallel.config import RecipeError, dump_recipe, load_recipe
+    from cce_parallel.data import DataError
     from cce_parallel.train import launch
 
     launch.quiet_warnings()
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
         world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else launch.needed_world_size(recipe)
         recipe.check_world(world, device)  # fail before starting any process
         if not launch.under_torchrun() and world > 1:
+            from cce_parallel.train.data import prepare
+
+            prepare(recipe.data)  # before torchrun starts: bad data is then one line, not a report per rank
             launch.relaunch(world, argv)
         launch.prepare_environment(recipe, device)  # before megatron-core (and triton) is imported
         from cce_parallel.train.trainer import Trainer
@@ -78,6 +82,10 @@ def main(argv=None) -> int:
     except RecipeError as err:
         if not quiet:
             print(f"cce-train: invalid recipe: {err}", file=sys.stderr)
+        return 2
+    except DataError as err:
+        if not quiet:
+            print(f"cce-train: invalid data: {err}", file=sys.stderr)
         return 2
     return 0
 

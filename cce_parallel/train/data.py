@@ -31,7 +31,7 @@ def prepare(data: DataConfig):
 
 def prepare_on_rank0(data: DataConfig):
     """Rank 0 prepares the dataset while the others wait; then every rank loads its info."""
-    from cce_parallel.data import load_dataset_info
+    from cce_parallel.data import DataError, load_dataset_info
 
     error = None
     if dist.get_rank() == 0:
@@ -39,10 +39,13 @@ def prepare_on_rank0(data: DataConfig):
             prepare(data)
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             error = err
-    failed = [error is not None]
+    # [failed, the message of a DataError]: bad data is one line from rank 0, not a traceback per rank
+    failed = [error is not None, str(error) if isinstance(error, DataError) else None]
     dist.broadcast_object_list(failed, src=0)
     if error is not None:
         raise error
+    if failed[1] is not None:
+        raise DataError(failed[1])
     if failed[0]:
         raise RuntimeError(f"rank 0 failed to prepare the dataset in {data.resolved_dir()} (see its log)")
     return load_dataset_info(data.resolved_dir())

@@ -95,8 +95,9 @@ def check_kernel_config(fields: dict):
 
 
 def quiet_warnings():
-    """megatron-core warns at import that TE/apex are missing (expected here: it falls back)."""
+    """megatron-core warns at import that TE and apex (0.19: also absl) are missing; it falls back."""
     for message in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated",
+                    "absl.logging is not installed",
                     ".*set the environment variable CUDA_DEVICE_MAX_CONNECTIONS"):
         warnings.filterwarnings("ignore", message=message)
 

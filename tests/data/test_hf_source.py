@@ -65,7 +65,9 @@ def test_load_failure_says_what_to_do(monkeypatch):
 
     module.load_dataset = load_dataset
     monkeypatch.setitem(sys.modules, "datasets", module)
-    with pytest.raises(RuntimeError, match=r"(?s)no network.*pass its directory as the source"):
+    from cce_parallel.data import DataError
+
+    with pytest.raises(DataError, match=r"(?s)no network.*pass its directory as the source"):
         open_source("openwebtext").count()
 
 

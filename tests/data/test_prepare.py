@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from cce_parallel.data import load_dataset_info, prepare_dataset, split_documents
+from cce_parallel.data import DataError, load_dataset_info, prepare_dataset, split_documents
 from tests.data.conftest import write_corpus
 
 needs_tokenizers = pytest.mark.skipif(
@@ -181,7 +181,7 @@ def test_idempotent_and_argument_mismatch(tmp_path, docs):
     again = prepare_dataset(src, out, vocab_size=300)
     assert again == first == load_dataset_info(out)
     assert os.stat(out / "train_text_document.bin").st_mtime_ns == stamp  # nothing rewritten
-    with pytest.raises(FileExistsError, match=r"vocab_size.*overwrite"):
+    with pytest.raises(DataError, match=r"vocab_size.*overwrite"):
         prepare_dataset(src, out, vocab_size=280)
     (out / "megatron_cache").mkdir()  # a stale sample-index cache must not survive new data
     other = prepare_dataset(src, out, vocab_size=280, overwrite=True)

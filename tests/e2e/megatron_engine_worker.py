@@ -51,12 +51,23 @@ class _NoRNGTracker:
         yield
 
 
+class _NoStream:
+    """A CUDA stream on CPU, where work runs in issue order: nothing to wait for."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
 def install_shims():
     import megatron.core.optimizer.optimizer as megatron_optimizer
     from megatron.core.tensor_parallel import random as megatron_random
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda device=None: _NoStream()  # DDP's grad sync waits on it (>= 0.17)
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
     megatron_random._CUDA_RNG_STATE_TRACKER = _NoRNGTracker()

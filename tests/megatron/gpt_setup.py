@@ -56,6 +56,16 @@ class Setup:
 # Process-level setup
 
 
+class _NoStream:
+    """Stands in for a CUDA stream on CPU, where work runs in issue order (no events to wait for)."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
 class _NoRNGTracker:
     """Stands in for megatron-core's CUDA RNG tracker on CPU (the tests use no dropout)."""
 
@@ -71,12 +81,15 @@ def install_cpu_shims():
     """Let megatron-core's model construction and DDP run on CPU tensors (test workers only).
 
     - DDP allocates its grad buffers on ``torch.cuda.current_device()``: make that the CPU.
+    - DDP's gradient reduction (megatron-core >= 0.17) first syncs with
+      ``torch.cuda.current_stream()``: a stream that waits for nothing.
     - GPTModel moves a tied embedding to ``.cuda()`` before all-reducing it across stages: no-op.
     - Sequence parallelism forks the CUDA RNG tracker in the embedding: a no-op tracker.
     """
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_stream = lambda device=None: _NoStream()
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     mrandom._CUDA_RNG_STATE_TRACKER = _NoRNGTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
