@@ -263,6 +263,9 @@ def _mesh4_worker(rank, world, report):
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     _run_case(report, "1d/chunks", lambda: _check_chunks(mesh, 0))
+    # torch.chunk's split of 10 rows over 4 ranks is 3, 3, 3, 1 (not 3, 3, 2, 2).
+    x = _inputs(10, (4, 3), bias=True)
+    _run_case(report, "1d/uneven-sp", lambda: _check_dtensor_run(x, "torch", {}, mesh, [Shard(0)], [Shard(0)]))
     x = _inputs(9, (5,))  # chunks of 3: rank 3 gets no rows
     _expect_error(
         report, "1d/error/empty-shard",
@@ -274,7 +277,7 @@ def _mesh4_worker(rank, world, report):
 def test_dtensor_2d_mesh():
     outcome = spawn(_mesh4_worker, 4, timeout=600.0, collective_timeout=60.0)
     assert not _failures(outcome), "\n".join(_failures(outcome))
-    assert len(outcome.results(0)) == 2 * 4 + 2 * len(IMPLS) + 2 + 2
+    assert len(outcome.results(0)) == 2 * 4 + 2 * len(IMPLS) + 2 + 3
 
 
 # ---------------------------------------------------------------------------------------------
