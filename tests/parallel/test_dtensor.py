@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -355,3 +356,173 @@ def test_fsdp2_training_matches_unsharded():
     outcome = spawn(_fsdp2_worker, 2, timeout=600.0, collective_timeout=60.0)
     assert not _failures(outcome), "\n".join(_failures(outcome))
     assert len(outcome.results(0)) == 2 * len(IMPLS)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 + tensor parallelism on a 2-D (dp, tp) mesh: a GPT-style toy, CPU (gloo) and GPU (NCCL)
+
+
+class Attention(torch.nn.Module):
+    """Causal self-attention; the number of heads follows q's width, so a TP shard runs its heads."""
+
+    def __init__(self, dim, head_dim):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.head_dim = head_dim
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim, head_dim):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.attn = Attention(dim, head_dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPTToy(torch.nn.Module):
+    """Token embedding, pre-norm blocks, final norm, head (separate or tied); CCE loss in forward."""
+
+    def __init__(self, vocab, dim, heads, layers, tied, impl):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.randn(64, dim) * 0.02)
+        self.blocks = torch.nn.ModuleList(Block(dim, dim // heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = None if tied else torch.nn.Linear(dim, vocab, bias=False)
+        self.impl = impl
+
+    def forward(self, tokens, targets):
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        # Under TP the head's weight (or the tied embedding's) is a DTensor Shard(0) on the tp mesh:
+        # linear_cross_entropy takes tp_group and vocab_range from it.
+        c = self.embed.weight if self.head is None else self.head.weight
+        self.c_layout = (type(c).__name__, tuple(getattr(c, "placements", ())))
+        return cce_parallel.linear_cross_entropy(self.norm(h), c, targets, impl=self.impl)
+
+
+def _fsdp_tp_train(device, tp, impls, report, vocab=37, steps=3):
+    """Train GPTToy with TP over mesh dim "tp" and FSDP2 over "dp"; compare with the whole model."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // tp
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    g = torch.Generator().manual_seed(11)
+    rows = 2  # sequences per dp rank
+    data = [torch.randint(0, vocab, (dp * rows, 9), generator=g).to(device) for _ in range(steps)]
+    plan = {
+        **{f"blocks.{i}.attn.{p}": ColwiseParallel() for i in range(2) for p in "qkv"},
+        **{f"blocks.{i}.attn.o": RowwiseParallel() for i in range(2)},
+        **{f"blocks.{i}.mlp.0": ColwiseParallel() for i in range(2)},
+        **{f"blocks.{i}.mlp.2": RowwiseParallel() for i in range(2)},
+        "embed": RowwiseParallel(input_layouts=Replicate()),  # weight Shard(0): rows of the vocabulary
+    }
+    for tied in (False, True):
+        for impl in impls:
+            name = f"fsdp-tp/{'tied' if tied else 'untied'}/{impl}"
+            report.started(name)
+            try:
+                torch.manual_seed(0)
+                ref = GPTToy(vocab, 32, 4, 2, tied, impl).to(device)
+                torch.manual_seed(0)
+                model = GPTToy(vocab, 32, 4, 2, tied, impl).to(device)
+                parallelize_module(model, mesh["tp"], plan if tied else {**plan, "head": ColwiseParallel()})
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh["dp"])
+                fully_shard(model, mesh=mesh["dp"])
+                opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+                opt = torch.optim.SGD(model.parameters(), lr=0.5)
+                for batch in data:
+                    tokens, targets = batch[:, :-1], batch[:, 1:]
+                    loss_ref = ref(tokens, targets)
+                    opt_ref.zero_grad()
+                    loss_ref.backward()
+                    opt_ref.step()
+                    mine = slice(rows * dp_rank, rows * (dp_rank + 1))
+                    loss = model(tokens[mine], targets[mine])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    assert model.c_layout == ("DTensor", (Shard(0),)), model.c_layout  # the path under test
+                    mean = loss.detach().clone()
+                    dist.all_reduce(mean, group=mesh.get_group("dp"))
+                    torch.testing.assert_close(mean / dp, loss_ref.detach(), rtol=1e-5, atol=1e-6)
+                for (n, p), (n_ref, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+                    assert n == n_ref and isinstance(p, DTensor), (n, n_ref, type(p))
+                    torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+                report.result(name, None)
+            except Exception:  # noqa: BLE001 - reported per case
+                report.result(name, traceback.format_exc(limit=-4))
+
+
+def _fsdp_tp_cpu_worker(rank, world, report):
+    _fsdp_tp_train(torch.device("cpu"), 2, ("torch",), report)
+
+
+def test_fsdp2_tp_2d_mesh_cpu():
+    outcome = spawn(_fsdp_tp_cpu_worker, 4, timeout=600.0, collective_timeout=60.0)
+    assert not _failures(outcome), "\n".join(_failures(outcome))
+    assert len(outcome.results(0)) == 2
+
+
+class _PrintReport:
+    """report for _fsdp_tp_train under torchrun: prints each case, remembers failures."""
+
+    def __init__(self):
+        self.failed = []
+
+    def started(self, name):
+        pass
+
+    def result(self, name, value):
+        print(f"rank {dist.get_rank()}: {name}: {'ok' if value is None else value}", flush=True)
+        if value is not None:
+            self.failed.append(name)
+
+
+def _torchrun_main():
+    """torchrun entry (NCCL, one GPU per rank): FSDP2 + TP with tp=2, dp = world // 2."""
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl")
+    report = _PrintReport()
+    try:
+        _fsdp_tp_train(torch.device("cuda"), 2, ("cce", "torch"), report)
+    finally:
+        dist.destroy_process_group()
+    sys.exit(1 if report.failed else 0)
+
+
+@pytest.mark.gpu
+def test_gpu_fsdp2_tp_torchrun():
+    """FSDP2 + TP (2-D mesh, tp=2) GPT-style toy, a few SGD steps, through torchrun on 2 GPUs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tests.parallel.test_dtensor"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count(": ok") == 2 * 4, proc.stdout[-4000:]
+
+
+if __name__ == "__main__":
+    _torchrun_main()
