@@ -103,9 +103,12 @@ def unwrap(e, c, targets, bias, tp_group, vocab_range, sequence_parallel) -> Unw
                 sp = True
                 continue
             where = "c's tensor-parallel mesh dimension" if d == dim else "a mesh dimension c is not sharded on"
+            hint = ""
+            if d == dim and type(p) is Shard and 0 < p.dim < e.dim() - 1:
+                hint = f"; move the sharded token dimension first, e.g. e.transpose(0, {p.dim}) and targets alike"
             raise ValueError(
                 f"e as a DTensor must be Replicate, or Shard(0) (tokens, sequence parallel) on c's "
-                f"tensor-parallel mesh dimension; got {p} on mesh dimension {d}, {where} ({_describe(e)})"
+                f"tensor-parallel mesh dimension; got {p} on mesh dimension {d}, {where} ({_describe(e)}){hint}"
             )
         if sequence_parallel and not sp:
             raise ValueError("sequence_parallel=True, but e is a DTensor that is not Shard(0) on c's tensor-parallel mesh dimension")

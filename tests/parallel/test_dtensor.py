@@ -149,6 +149,31 @@ def _tied_case(mesh, impl):
     torch.testing.assert_close(c.grad.full_tensor(), c_ref.grad, **TOL)
 
 
+def _batch_first_case(mesh):
+    """torch's sequence-parallel layout [b, s, D] Shard(1): rejected with a hint; its transpose
+    (a non-contiguous local view, Shard(0)) runs as sequence parallel."""
+    x = _inputs(37, (2, 6), bias=True)
+    c = _leaf(x["c"], mesh, [Shard(0)])
+    e = _leaf(x["e"], mesh, [Shard(1)])
+    try:
+        cce_parallel.linear_cross_entropy(e, c, x["targets"])
+        raise AssertionError("e Shard(1) was accepted")
+    except ValueError as err:
+        assert "e.transpose(0, 1)" in str(err), str(err)
+    t = dict(x, e=x["e"].transpose(0, 1), targets=x["targets"].T, upstream=x["upstream"].T)
+    ref = _reference(t, "torch", dict(reduction="none"))
+    bias = _leaf(x["bias"], mesh, [Shard(0)])
+    loss = cce_parallel.linear_cross_entropy(
+        e.transpose(0, 1), c, x["targets"].T, bias=bias, impl="torch", reduction="none"
+    )
+    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
+    (loss * t["upstream"]).sum().backward()
+    assert tuple(e.grad.placements) == (Shard(1),) and tuple(c.grad.placements) == (Shard(0),)
+    torch.testing.assert_close(e.grad.full_tensor().transpose(0, 1), ref["e"], **TOL)
+    torch.testing.assert_close(c.grad.full_tensor(), ref["c"], **TOL)
+    torch.testing.assert_close(bias.grad.full_tensor(), ref["bias"], **TOL)
+
+
 def _mesh2_worker(rank, world, report):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     _run_case(report, "chunks", lambda: _check_chunks(mesh, 0))
@@ -171,6 +196,8 @@ def _mesh2_worker(rank, world, report):
                 lambda: _check_dtensor_run(x, impl, options, mesh, c_pl, e_pl, t_pl),
             )
         _run_case(report, f"tied/{impl}", lambda: _tied_case(mesh, impl))
+
+    _run_case(report, "sp-batch-first-transposed", lambda: _batch_first_case(mesh))
 
     x = _inputs(V, (4, 3), bias=True)
     c = distribute_tensor(x["c"], mesh, [Shard(0)])
@@ -225,7 +252,7 @@ def _failures(outcome) -> list:
 def test_dtensor_1d_mesh():
     outcome = spawn(_mesh2_worker, 2, timeout=600.0, collective_timeout=60.0)
     assert not _failures(outcome), "\n".join(_failures(outcome))
-    assert len(outcome.results(0)) == 1 + 6 * len(IMPLS) + 11  # every case ran
+    assert len(outcome.results(0)) == 1 + 6 * len(IMPLS) + 12  # every case ran
 
 
 # ---------------------------------------------------------------------------------------------
