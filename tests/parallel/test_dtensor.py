@@ -11,7 +11,6 @@ test_gpu_fsdp2_tp trains a GPT-style toy with FSDP2 + TP on 2 GPUs through torch
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import traceback
@@ -38,9 +37,6 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 def _inputs(vocab, lead, seed=0, bias=False):
     g = torch.Generator().manual_seed(seed)
-    n = 1
-    for s in lead:
-        n *= s
     return dict(
         e=torch.randn(*lead, D, generator=g) * 2,
         c=torch.randn(vocab, D, generator=g) / D**0.5,
@@ -180,19 +176,46 @@ def _mesh2_worker(rank, world, report):
     V = 37  # uneven: 19 + 18 rows
     for impl in IMPLS:
         cases = {
-            "c-shard/e-replicate/bias/mean": (_inputs(V, (7,), bias=True), {}, [Shard(0)], [Replicate()], None),
+            "c-shard/e-replicate/bias/mean": (
+                _inputs(V, (7,), bias=True),
+                {},
+                [Shard(0)],
+                [Replicate()],
+                None,
+            ),
             "c-shard/e-plain/none-lse": (
-                _inputs(V, (2, 5)), dict(reduction="none", return_lse=False, z_loss=1e-3), [Shard(0)], None, None,
+                _inputs(V, (2, 5)),
+                dict(reduction="none", return_lse=False, z_loss=1e-3),
+                [Shard(0)],
+                None,
+                None,
             ),
-            "c-shard/e-sp/sum": (_inputs(V, (6, 2), bias=True), dict(reduction="sum"), [Shard(0)], [Shard(0)], None),
+            "c-shard/e-sp/sum": (
+                _inputs(V, (6, 2), bias=True),
+                dict(reduction="sum"),
+                [Shard(0)],
+                [Shard(0)],
+                None,
+            ),
             "c-shard/e-sp/targets-dtensor/none": (
-                _inputs(V, (4, 3)), dict(reduction="none", label_smoothing=0.1), [Shard(0)], [Shard(0)], [Shard(0)],
+                _inputs(V, (4, 3)),
+                dict(reduction="none", label_smoothing=0.1),
+                [Shard(0)],
+                [Shard(0)],
+                [Shard(0)],
             ),
-            "c-replicate/e-replicate": (_inputs(V, (7,), bias=True), {}, [Replicate()], [Replicate()], [Replicate()]),
+            "c-replicate/e-replicate": (
+                _inputs(V, (7,), bias=True),
+                {},
+                [Replicate()],
+                [Replicate()],
+                [Replicate()],
+            ),
         }
         for name, (x, options, c_pl, e_pl, t_pl) in cases.items():
             _run_case(
-                report, f"{name}/{impl}",
+                report,
+                f"{name}/{impl}",
                 lambda: _check_dtensor_run(x, impl, options, mesh, c_pl, e_pl, t_pl),
             )
         _run_case(report, f"tied/{impl}", lambda: _tied_case(mesh, impl))
@@ -206,47 +229,84 @@ def _mesh2_worker(rank, world, report):
     lce = cce_parallel.linear_cross_entropy
     other = init_device_mesh("cpu", (world,), mesh_dim_names=("other",))
     _expect_error(
-        report, "error/c-partial",
-        lambda: lce(x["e"], DTensor.from_local(x["c"], mesh, [Partial()]), t), "Partial", "c as a DTensor",
+        report,
+        "error/c-partial",
+        lambda: lce(x["e"], DTensor.from_local(x["c"], mesh, [Partial()]), t),
+        "Partial",
+        "c as a DTensor",
     )
     _expect_error(
-        report, "error/c-shard1",
-        lambda: lce(x["e"], distribute_tensor(x["c"], mesh, [Shard(1)]), t), "Shard(dim=1)", "c as a DTensor",
+        report,
+        "error/c-shard1",
+        lambda: lce(x["e"], distribute_tensor(x["c"], mesh, [Shard(1)]), t),
+        "Shard(dim=1)",
+        "c as a DTensor",
     )
-    _expect_error(report, "error/e-partial", lambda: lce(DTensor.from_local(x["e"], mesh, [Partial()]), c, t), "e as a DTensor", "Partial")
-    _expect_error(report, "error/e-other-mesh", lambda: lce(distribute_tensor(x["e"], other, [Replicate()]), c, t), "different meshes")
+    _expect_error(
+        report,
+        "error/e-partial",
+        lambda: lce(DTensor.from_local(x["e"], mesh, [Partial()]), c, t),
+        "e as a DTensor",
+        "Partial",
+    )
+    _expect_error(
+        report,
+        "error/e-other-mesh",
+        lambda: lce(distribute_tensor(x["e"], other, [Replicate()]), c, t),
+        "different meshes",
+    )
     _expect_error(report, "error/c-plain", lambda: lce(e_rep, x["c"], t), "c is not")
     _expect_error(
-        report, "error/bias-placement",
-        lambda: lce(e_rep, c, t, bias=distribute_tensor(x["bias"], mesh, [Replicate()])), "bias must be placed like c",
+        report,
+        "error/bias-placement",
+        lambda: lce(e_rep, c, t, bias=distribute_tensor(x["bias"], mesh, [Replicate()])),
+        "bias must be placed like c",
     )
     _expect_error(
-        report, "error/e-sharded-c-replicated",
-        lambda: lce(distribute_tensor(x["e"], mesh, [Shard(0)]), distribute_tensor(x["c"], mesh, [Replicate()]), t),
-        "e as a DTensor", "Shard(dim=0)",
+        report,
+        "error/e-sharded-c-replicated",
+        lambda: lce(
+            distribute_tensor(x["e"], mesh, [Shard(0)]), distribute_tensor(x["c"], mesh, [Replicate()]), t
+        ),
+        "e as a DTensor",
+        "Shard(dim=0)",
     )
     _expect_error(
-        report, "error/sp-uneven",
-        lambda: lce(distribute_tensor(_inputs(V, (5, 3))["e"], mesh, [Shard(0)]), c, _inputs(V, (5, 3))["targets"]),
+        report,
+        "error/sp-uneven",
+        lambda: lce(
+            distribute_tensor(_inputs(V, (5, 3))["e"], mesh, [Shard(0)]), c, _inputs(V, (5, 3))["targets"]
+        ),
         "not divisible",
     )
     _expect_error(
-        report, "error/sp-flag-but-replicated", lambda: lce(e_rep, c, t, sequence_parallel=True), "sequence_parallel=True",
+        report,
+        "error/sp-flag-but-replicated",
+        lambda: lce(e_rep, c, t, sequence_parallel=True),
+        "sequence_parallel=True",
     )
     # Disagrees on rank 1 only: rank 1 names it, rank 0 hears of it (no hang).
     bad_range = (0, 19) if rank == 0 else (18, 37)
     _expect_error(
-        report, "error/vocab-range",
-        lambda: lce(e_rep, c, t, vocab_range=bad_range), "vocab_range (18, 37) disagrees" if rank else "rank(s) [1]",
+        report,
+        "error/vocab-range",
+        lambda: lce(e_rep, c, t, vocab_range=bad_range),
+        "vocab_range (18, 37) disagrees" if rank else "rank(s) [1]",
     )
     # The same layout given explicitly is accepted.
-    _run_case(report, "explicit-matching-layout", lambda: lce(e_rep, c, t, tp_group=dist.group.WORLD, vocab_range=chunk_range(V, world, rank)))
+    _run_case(
+        report,
+        "explicit-matching-layout",
+        lambda: lce(e_rep, c, t, tp_group=dist.group.WORLD, vocab_range=chunk_range(V, world, rank)),
+    )
 
 
 def _failures(outcome) -> list:
     if not outcome.ok:
         return [outcome.describe()]
-    return [f"{name} (rank {r}): {msg}" for name, per in outcome.merged().items() for r, msg in per.items() if msg]
+    return [
+        f"{name} (rank {r}): {msg}" for name, per in outcome.merged().items() for r, msg in per.items() if msg
+    ]
 
 
 def test_dtensor_1d_mesh():
@@ -264,39 +324,59 @@ def _mesh4_worker(rank, world, report):
     for names in (("dp", "tp"), ("tp", "dp")):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
         tp = names.index("tp")
-        place = lambda p: [p if d == tp else Replicate() for d in range(2)]  # noqa: E731
+        place = lambda p: [p if d == tp else Replicate() for d in range(2)]
         _run_case(report, f"{names}/chunks", lambda: _check_chunks(mesh, tp))
         impls = IMPLS if names == ("dp", "tp") else ("torch",)
         for impl in impls:
             x = _inputs(23, (4, 3), bias=True)
             _run_case(
-                report, f"{names}/sp/{impl}",
-                lambda: _check_dtensor_run(x, impl, dict(reduction="none"), mesh, place(Shard(0)), place(Shard(0))),
+                report,
+                f"{names}/sp/{impl}",
+                lambda: _check_dtensor_run(
+                    x, impl, dict(reduction="none"), mesh, place(Shard(0)), place(Shard(0))
+                ),
             )
             _run_case(
-                report, f"{names}/replicated-e/{impl}",
+                report,
+                f"{names}/replicated-e/{impl}",
                 lambda: _check_dtensor_run(x, impl, {}, mesh, place(Shard(0)), place(Replicate())),
             )
         x = _inputs(23, (4, 3))
         c = distribute_tensor(x["c"], mesh, place(Shard(0)))
         dp = 1 - tp
         _expect_error(
-            report, f"{names}/error/tp-group",
-            lambda: lce(x["e"], c, x["targets"], tp_group=mesh.get_group(dp)), "tp_group (ranks", "disagrees",
+            report,
+            f"{names}/error/tp-group",
+            lambda: lce(x["e"], c, x["targets"], tp_group=mesh.get_group(dp)),
+            "tp_group (ranks",
+            "disagrees",
         )
         e_dp = distribute_tensor(x["e"], mesh, [Shard(0) if d == dp else Replicate() for d in range(2)])
-        _expect_error(report, f"{names}/error/e-sharded-on-dp", lambda: lce(e_dp, c, x["targets"]), "c is not sharded on")
+        _expect_error(
+            report,
+            f"{names}/error/e-sharded-on-dp",
+            lambda: lce(e_dp, c, x["targets"]),
+            "c is not sharded on",
+        )
         c_both = distribute_tensor(x["c"], mesh, [Shard(0), Shard(0)])
-        _expect_error(report, f"{names}/error/c-sharded-twice", lambda: lce(x["e"], c_both, x["targets"]), "one mesh dimension only")
+        _expect_error(
+            report,
+            f"{names}/error/c-sharded-twice",
+            lambda: lce(x["e"], c_both, x["targets"]),
+            "one mesh dimension only",
+        )
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     _run_case(report, "1d/chunks", lambda: _check_chunks(mesh, 0))
     # torch.chunk's split of 10 rows over 4 ranks is 3, 3, 3, 1 (not 3, 3, 2, 2).
     x = _inputs(10, (4, 3), bias=True)
-    _run_case(report, "1d/uneven-sp", lambda: _check_dtensor_run(x, "torch", {}, mesh, [Shard(0)], [Shard(0)]))
+    _run_case(
+        report, "1d/uneven-sp", lambda: _check_dtensor_run(x, "torch", {}, mesh, [Shard(0)], [Shard(0)])
+    )
     x = _inputs(9, (5,))  # chunks of 3: rank 3 gets no rows
     _expect_error(
-        report, "1d/error/empty-shard",
+        report,
+        "1d/error/empty-shard",
         lambda: lce(x["e"], distribute_tensor(x["c"], mesh, [Shard(0)]), x["targets"]),
         "gives this rank no rows" if rank == 3 else "rank(s) [3]",
     )
@@ -374,7 +454,9 @@ def _fsdp2_worker(rank, world, report):
                     torch.testing.assert_close(mean / world, loss_ref.detach(), rtol=1e-5, atol=1e-6)
                 for (n, p), (n_ref, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
                     assert n == n_ref and isinstance(p, DTensor), (n, n_ref, type(p))
-                    torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+                    torch.testing.assert_close(
+                        p.full_tensor(), p_ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}"
+                    )
 
             _run_case(report, name, case)
 
@@ -409,7 +491,9 @@ class Block(torch.nn.Module):
         super().__init__()
         self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
         self.attn = Attention(dim, head_dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
+        )
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -444,8 +528,7 @@ def _fsdp_tp_train(device, tp, impls, report, vocab=37, steps=3):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world // tp
+    dp = dist.get_world_size() // tp
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     g = torch.Generator().manual_seed(11)
@@ -490,7 +573,9 @@ def _fsdp_tp_train(device, tp, impls, report, vocab=37, steps=3):
                     torch.testing.assert_close(mean / dp, loss_ref.detach(), rtol=1e-5, atol=1e-6)
                 for (n, p), (n_ref, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
                     assert n == n_ref and isinstance(p, DTensor), (n, n_ref, type(p))
-                    torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+                    torch.testing.assert_close(
+                        p.full_tensor(), p_ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}"
+                    )
                 report.result(name, None)
             except Exception:  # noqa: BLE001 - reported per case
                 report.result(name, traceback.format_exc(limit=-4))
@@ -543,9 +628,17 @@ def test_gpu_fsdp2_tp_torchrun():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tests.parallel.test_dtensor"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tests.parallel.test_dtensor",
+    ]
+    proc = subprocess.run(cmd, check=False, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count(": ok") == 2 * 4, proc.stdout[-4000:]
