@@ -46,17 +46,24 @@ def _inputs(vocab, lead, seed=0, bias=False):
     )
 
 
-def _scalarize(loss, reduction, upstream):
-    return (loss * upstream).sum() if reduction == "none" else loss
+def _scalarize(out, reduction, upstream):
+    """One number to differentiate: loss (weighted per token for "none"), plus lse where returned."""
+    loss, lse = out if isinstance(out, tuple) else (out, None)
+    total = (loss * upstream).sum() if reduction == "none" else loss
+    return total if lse is None else total + (lse * upstream.flip(-1)).sum()
+
+
+def _values(out):
+    return tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
 
 
 def _reference(x, impl, options):
     e = x["e"].clone().requires_grad_()
     c = x["c"].clone().requires_grad_()
     bias = None if x["bias"] is None else x["bias"].clone().requires_grad_()
-    loss = cce_parallel.linear_cross_entropy(e, c, x["targets"], bias=bias, impl=impl, **options)
-    _scalarize(loss, options.get("reduction", "mean"), x["upstream"]).backward()
-    return dict(loss=loss.detach(), e=e.grad, c=c.grad, bias=None if bias is None else bias.grad)
+    out = cce_parallel.linear_cross_entropy(e, c, x["targets"], bias=bias, impl=impl, **options)
+    _scalarize(out, options.get("reduction", "mean"), x["upstream"]).backward()
+    return dict(loss=_values(out), e=e.grad, c=c.grad, bias=None if bias is None else bias.grad)
 
 
 def _leaf(t, mesh, placements):
@@ -70,10 +77,10 @@ def _check_dtensor_run(x, impl, options, mesh, c_pl, e_pl=None, targets_pl=None)
     bias = None if x["bias"] is None else _leaf(x["bias"], mesh, c_pl)
     e = x["e"].clone().requires_grad_() if e_pl is None else _leaf(x["e"], mesh, e_pl)
     targets = x["targets"] if targets_pl is None else distribute_tensor(x["targets"], mesh, targets_pl)
-    loss = cce_parallel.linear_cross_entropy(e, c, targets, bias=bias, impl=impl, **options)
-    assert not isinstance(loss, DTensor)
-    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
-    _scalarize(loss, options.get("reduction", "mean"), x["upstream"]).backward()
+    out = cce_parallel.linear_cross_entropy(e, c, targets, bias=bias, impl=impl, **options)
+    assert not any(isinstance(t, DTensor) for t in (out if isinstance(out, tuple) else (out,)))
+    torch.testing.assert_close(_values(out), ref["loss"], **TOL)
+    _scalarize(out, options.get("reduction", "mean"), x["upstream"]).backward()
     for name, t, pl in (("c", c, c_pl), ("bias", bias, c_pl), ("e", e, e_pl)):
         if t is None:
             continue
@@ -185,7 +192,7 @@ def _mesh2_worker(rank, world, report):
             ),
             "c-shard/e-plain/none-lse": (
                 _inputs(V, (2, 5)),
-                dict(reduction="none", return_lse=False, z_loss=1e-3),
+                dict(reduction="none", return_lse=True, z_loss=1e-3),
                 [Shard(0)],
                 None,
                 None,
