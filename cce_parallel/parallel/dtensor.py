@@ -159,12 +159,12 @@ def unwrap(e, c, targets, bias, tp_group, vocab_range, sequence_parallel) -> Unw
             f"{-(-c.shape[0] // n)}; empty vocabulary shards are not supported (choose V so that every "
             f"rank gets rows, e.g. a multiple of {n})"
         )
-    elif tp_group is not None and dist.get_process_group_ranks(tp_group) != dist.get_process_group_ranks(
-        group
+    elif tp_group is not None and (given := dist.get_process_group_ranks(tp_group)) != (
+        ranks := dist.get_process_group_ranks(group)
     ):
         error = ValueError(
-            f"tp_group (ranks {dist.get_process_group_ranks(tp_group)}) disagrees with c's DTensor, which "
-            f"is sharded over ranks {dist.get_process_group_ranks(group)} (mesh dimension {dim})"
+            f"tp_group (ranks {given}) disagrees with c's DTensor, which is sharded over ranks {ranks} "
+            f"(mesh dimension {dim})"
         )
     elif vocab_range is not None and tuple(vocab_range) != derived:
         error = ValueError(
