@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from cce_parallel.ops.functional import check_inputs, sharded_linear_cross_entropy
+from cce_parallel.parallel import dtensor
 from cce_parallel.parallel.collectives import GroupCollectives
 from cce_parallel.parallel.vocab import agree_on_layout
 
@@ -59,9 +60,18 @@ def linear_cross_entropy(
             gradient-accumulation fusion does; c.grad is then left as it is. None: c gets its
             gradient as usual.
 
+    c (with bias) may be a torch DTensor: Shard(0) on one mesh dimension gives tp_group and
+    vocab_range, Replicate is a whole classifier; e may then be a DTensor too, Replicate or Shard(0)
+    (sequence parallel). Gradients come back as DTensors placed like their inputs (parallel/dtensor.py).
+
     Returns:
         loss, or (loss, lse) when return_lse; identical on every rank of tp_group.
     """
+    dtensor_error = None
+    if dtensor.any_dtensor(e, c, targets, bias):
+        e, c, targets, bias, tp_group, vocab_range, sequence_parallel, dtensor_error = dtensor.unwrap(
+            e, c, targets, bias, tp_group, vocab_range, sequence_parallel
+        )
     options = dict(
         bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
         reduction=reduction, impl=impl, logits_budget=logits_budget, return_lse=return_lse,
@@ -76,6 +86,8 @@ def linear_cross_entropy(
     world = dist.get_world_size(tp_group)
     local_error = None
     try:
+        if dtensor_error is not None:
+            raise dtensor_error
         check_inputs(
             e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
             z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget,
