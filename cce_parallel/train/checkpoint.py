@@ -229,6 +229,8 @@ def _encode(obj, key: str, tensors: dict):
         return obj.item()
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if isinstance(obj, torch.dtype):  # e.g. Transformer Engine's FusedAdam keeps its state dtypes
+        return {"torch_dtype": str(obj).removeprefix("torch.")}
     if isinstance(obj, list):
         return [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
@@ -249,6 +251,8 @@ def _decode(doc, tensors: dict):
         return _decode(doc["ndarray"], tensors).numpy().astype(np.dtype(doc["dtype"]))
     if "tuple" in doc:
         return tuple(_decode(v, tensors) for v in doc["tuple"])
+    if "torch_dtype" in doc:
+        return _dtype(doc["torch_dtype"])
     return {k: _decode(v, tensors) for k, v in doc["dict"]}
 
 
@@ -259,14 +263,18 @@ def _templates(doc, out: dict) -> dict:
             _templates(v, out)
     elif isinstance(doc, dict):
         if "tensor" in doc:
-            dtype = getattr(torch, doc["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise CheckpointError(f"{doc['tensor']}: unknown dtype {doc['dtype']!r}")
-            out[doc["tensor"]] = torch.empty(doc["shape"], dtype=dtype)
+            out[doc["tensor"]] = torch.empty(doc["shape"], dtype=_dtype(doc["dtype"]))
         else:
             for v in doc.values():
                 _templates(v, out)
     return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in a checkpoint")
+    return dtype
 
 
 def _json_name(key: str) -> str:

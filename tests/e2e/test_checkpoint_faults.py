@@ -68,14 +68,14 @@ def test_encoded_state_keeps_tensor_data_out_of_json():
     n = 2_500_000_000
     state = {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.empty(n, device="meta"),
                            "exp_avg_sq": torch.empty(n, device="meta")}},
-             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}]}
+             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0], "exp_avg_dtype": torch.bfloat16}]}
     tensors = {}
     doc = checkpoint._encode([{"state_dict": state, "main_params": [torch.empty(n, device="meta")]}], "x", tensors)
     assert len(json.dumps(doc)) < 1000
     assert sorted(tensors) == ["x/0/main_params/0", "x/0/state_dict/state/0/exp_avg",
                                "x/0/state_dict/state/0/exp_avg_sq", "x/0/state_dict/state/0/step"]
     back = checkpoint._decode(json.loads(json.dumps(doc)), tensors)
-    assert back[0]["state_dict"]["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert back[0]["state_dict"]["param_groups"] == state["param_groups"]
     assert back[0]["state_dict"]["state"][0]["exp_avg"] is tensors["x/0/state_dict/state/0/exp_avg"]
     with pytest.raises(TypeError, match="x/k: a object cannot go into a checkpoint"):
         checkpoint._encode({"k": object()}, "x", {})
