@@ -281,26 +281,27 @@ def _json_name(key: str) -> str:
     return key.replace("/", ".") + ".json"
 
 
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's ``.metadata`` is a pickle: admit DCP's metadata classes and the torch values they
     hold, nothing that could run code."""
 
-    _ALLOWED = {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-
     def find_class(self, module, name):
-        if (module, name) in self._ALLOWED:
+        if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
-        found = {"torch": torch, dcp_metadata.__name__: dcp_metadata}.get(module)
-        found = getattr(found, name, None)
+        source = {"torch": torch, dcp_metadata.__name__: dcp_metadata}.get(module)
+        found = getattr(source, name, None) if source is not None else None
         if isinstance(found, torch.dtype) or (isinstance(found, type) and found.__module__ == dcp_metadata.__name__):
             return found
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
