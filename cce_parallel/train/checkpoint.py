@@ -1,15 +1,16 @@
-"""Checkpoints: model, optimizer, scheduler, data position and RNG states, written atomically.
+"""Checkpoints: model, optimizer, scheduler, data position and RNG states, written atomically,
+checked before use, and made of tensors and plain data only.
 
-Each checkpoint ``<dir>/step_0000040/`` is one torch.distributed.checkpoint (DCP) save, written
-by every rank in parallel (``*.distcp`` files and DCP's ``.metadata``), plus ``meta.json`` (step,
-consumed samples, parallel layout, scheduler state, recipe). The DCP state dict holds:
+Each checkpoint ``<dir>/step_0000040/`` is one torch.distributed.checkpoint (DCP) save of tensors,
+written by every rank in parallel (``*.distcp`` files and DCP's ``.metadata``), a small JSON file
+per state object, and ``meta.json``. The DCP state dict holds:
 
-    tp{t}_pp{p}/model/{chunk}/...   tensors, by data-parallel rank 0 of each (tp, pp) coordinate:
-                                    the model chunks' state dicts (weights in the model's dtype)
-    tp{t}_pp{p}/optim               by data-parallel rank 0: the optimizer (replicated over data
-                                    parallelism), serialized
-    rank{r}/optim                   instead, with the distributed optimizer: every rank's shard
-    rank{r}/rng                     every rank: python, numpy, torch (and CUDA + Megatron tracker) RNGs
+    tp{t}_pp{p}/model/{chunk}/...   by data-parallel rank 0 of each (tp, pp) coordinate: the model
+                                    chunks' state dicts (weights in the model's dtype)
+    tp{t}_pp{p}/optim/...           by data-parallel rank 0: the optimizer (replicated over data
+                                    parallelism)
+    rank{r}/optim/...               instead, with the distributed optimizer: every rank's shard
+    rank{r}/rng/...                 every rank: numpy, torch (and CUDA + Megatron tracker) RNGs
 
 Keys carry the rank coordinates because DCP treats equal keys on several ranks as one replicated
 value: the tensor-parallel shards of a parameter share its name.
@@ -19,19 +20,38 @@ counts, hyperparameters) and the values of their parameters, which are the main 
 model's own parameters in fp32 runs, megatron's fp32 copies with bf16, or this rank's shard of
 them under the distributed optimizer. Restoring both the model weights and the main weights
 makes a resumed step bitwise the uninterrupted one (on CPU; GPUs add their own nondeterminism).
+Every tensor of a state object goes into DCP under the object's key; what remains (the nesting,
+hyperparameters, python's RNG) is written to ``<key>.json`` (``rank3.rng.json``,
+``tp0_pp0.optim.json``) with each tensor replaced by its DCP key, dtype and shape, so its size
+follows the number of tensors, not their sizes. Nothing in a checkpoint is unpickled into
+objects: tensors are read with ``weights_only``, and DCP's ``.metadata`` through an unpickler that
+admits DCP's own metadata classes only.
 
-Every rank writes into ``.tmp_step_0000040``; after a barrier rank 0 renames it to
-``step_0000040`` and then replaces ``latest`` (a one-line file naming it) through a temporary
-file and ``os.replace``. A crash at any point leaves ``latest`` naming a complete checkpoint.
-Resuming needs the same parallel layout (tp, pp, dp): the keys name the coordinates, so the
-checkpoint does not reshard.
+``meta.json`` (step, consumed samples, parallel layout, scheduler state, recipe) lists the size
+and sha256 of every other file and carries the sha256 of its own content. Resuming checks them
+all (every rank hashes a share of the files): with ``checkpoint.resume: auto`` a checkpoint that
+fails is skipped with a warning naming the bad file, and the newest one that passes is used (with
+``checkpoint.keep`` >= 2 there is one to fall back to); a checkpoint named explicitly must pass.
+
+Every rank writes into ``.tmp_step_0000040``; after a barrier the files are hashed, rank 0 writes
+meta.json, renames the directory to ``step_0000040`` and then replaces ``latest`` (a one-line
+file naming it, for people and scripts) through a temporary file and ``os.replace``. A crash at
+any point leaves the earlier checkpoints intact. Resuming needs the same parallel layout (tp, pp,
+dp): the keys name the coordinates, so the checkpoint does not reshard.
+
+The run directory is locked (``.lock``, an exclusive ``flock`` held by rank 0 while it lives), so
+that a second run cannot write into it; the kernel drops the lock when its holder dies, even by
+SIGKILL, so a killed run never blocks its own restart.
 """
 
-import io
+import fcntl
+import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -40,26 +60,271 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import parallel_state
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from cce_parallel.train.engine import inner_optimizers
 
-FORMAT = 2  # 1: per-rank torch.save files; 2: torch.distributed.checkpoint
+FORMAT = 3  # 1: per-rank torch.save files; 2: DCP with pickled optimizer state; 3: DCP tensors + JSON, checksums
 LATEST = "latest"
+META = "meta.json"
+LOCK = ".lock"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
 
 
 def step_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def checkpoints(directory) -> list[Path]:
+    """The checkpoint directories (``step_*``) in directory, newest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.glob("step_*") if p.is_dir()), reverse=True)
+
+
 def latest_checkpoint(directory) -> Path | None:
-    """The checkpoint ``latest`` names in directory, or None."""
+    """The checkpoint ``latest`` names in directory, or None (not checked: see ``verify``)."""
     pointer = Path(directory) / LATEST
     if not pointer.is_file():
         return None
-    path = Path(directory) / pointer.read_text().strip()
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
-    return path
+    return Path(directory) / pointer.read_text().strip()
+
+
+# -- integrity --------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _meta_digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_meta(path) -> dict:
+    """meta.json of checkpoint path, after checking its own checksum and format."""
+    file = Path(path) / META
+    try:
+        meta = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing") from None
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or UTF-8
+        raise CheckpointError(f"{file} is unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file} is corrupt (not a JSON object)")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{file} has format {meta.get('format')}; this version reads format {FORMAT}")
+    if meta.get("sha256") != _meta_digest(meta):
+        raise CheckpointError(f"{file} is corrupt (its content does not match its sha256)")
+    return meta
+
+
+def verify(path, *, share: tuple[int, int] = (0, 1)) -> dict:
+    """meta.json of checkpoint path once it and the files it lists check out (size and sha256);
+    share=(i, n) checks only every n-th file from the i-th. Raises CheckpointError naming the
+    first bad file."""
+    path = Path(path)
+    meta = read_meta(path)
+    for name in sorted(meta["files"])[share[0]::share[1]]:
+        file, expected = path / name, meta["files"][name]
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} is missing") from None
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file} has {size} bytes, {expected['bytes']} were written (truncated or replaced)")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{file} is corrupt (sha256 mismatch)")
+    return meta
+
+
+def verify_collective(path) -> dict:
+    """``verify`` with the files shared out over the ranks (collective): every rank gets the
+    same meta.json, or raises the same CheckpointError."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        meta, problem = verify(path, share=(rank, world)), None
+    except CheckpointError as err:
+        meta, problem = None, str(err)
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise CheckpointError(problem)
+    return meta
+
+
+def newest_valid(directory, warn) -> Path | None:
+    """The newest checkpoint in directory that passes ``verify`` (collective), None when there
+    is none at all; warn(line) for each one skipped. CheckpointError when none passes."""
+    found = checkpoints(directory)
+    for path in found:
+        try:
+            verify_collective(path)
+            return path
+        except CheckpointError as err:
+            warn(f"warning: skipping checkpoint {path.name}: {err}")
+    if found:
+        raise CheckpointError(f"none of the {len(found)} checkpoints in {directory} is valid (see the warnings)")
+    return None
+
+
+def _file_digests(directory: Path) -> dict:
+    """{name: {bytes, sha256}} of every file in directory, hashed in shares by the ranks (collective)."""
+    names = [sorted(p.name for p in directory.iterdir() if p.is_file()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    names = names[0]
+    mine = {n: {"bytes": (directory / n).stat().st_size, "sha256": _sha256(directory / n)}
+            for n in names[dist.get_rank()::dist.get_world_size()]}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {name: digest for part in gathered for name, digest in part.items()}
+
+
+# -- the run directory lock -----------------------------------------------------------------
+
+
+def lock_run_dir(run_dir) -> int:
+    """Take the run directory's lock for this process (its file descriptor: keep it open) or
+    raise CheckpointError naming the holder."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 256).decode(errors="replace").strip() or "a process that has not written its pid yet"
+        os.close(fd)
+        raise CheckpointError(f"{run_dir} is in use by another run ({holder}, lock {run_dir / LOCK})") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+    return fd
+
+
+# -- state <-> tensors + JSON -----------------------------------------------------------------
+
+
+def _encode(obj, key: str, tensors: dict):
+    """obj as JSON data; its tensors (and numpy arrays) go into tensors under keys below key."""
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach()
+        return {"tensor": key, "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
+    if isinstance(obj, np.ndarray):
+        # torch has no full support for wide unsigned integers (numpy's RNG state is uint32).
+        wide_unsigned = obj.dtype.kind == "u" and obj.dtype.itemsize > 1
+        data = torch.from_numpy(np.ascontiguousarray(obj.astype(np.int64) if wide_unsigned else obj))
+        return {"ndarray": _encode(data, key, tensors), "dtype": obj.dtype.str}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.dtype):  # e.g. Transformer Engine's FusedAdam keeps its state dtypes
+        return {"torch_dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, list):
+        return [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {"tuple": [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, dict) and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj):
+        return {"dict": [[k, _encode(v, f"{key}/{k}", tensors)] for k, v in obj.items()]}
+    raise TypeError(f"{key}: a {type(obj).__name__} cannot go into a checkpoint (tensors and plain data only)")
+
+
+def _decode(doc, tensors: dict):
+    if isinstance(doc, list):
+        return [_decode(v, tensors) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    if "tensor" in doc:
+        return tensors[doc["tensor"]]
+    if "ndarray" in doc:
+        return _decode(doc["ndarray"], tensors).numpy().astype(np.dtype(doc["dtype"]))
+    if "tuple" in doc:
+        return tuple(_decode(v, tensors) for v in doc["tuple"])
+    if "torch_dtype" in doc:
+        return _dtype(doc["torch_dtype"])
+    return {k: _decode(v, tensors) for k, v in doc["dict"]}
+
+
+def _templates(doc, out: dict) -> dict:
+    """Empty tensors for the tensor entries of doc, to load into (DCP loads in place)."""
+    if isinstance(doc, list):
+        for v in doc:
+            _templates(v, out)
+    elif isinstance(doc, dict):
+        if "tensor" in doc:
+            out[doc["tensor"]] = torch.empty(doc["shape"], dtype=_dtype(doc["dtype"]))
+        else:
+            for v in doc.values():
+                _templates(v, out)
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in a checkpoint")
+    return dtype
+
+
+def _json_name(key: str) -> str:
+    return key.replace("/", ".") + ".json"
+
+
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: admit DCP's metadata classes and the torch values they
+    hold, nothing that could run code."""
+
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        source = {"torch": torch, dcp_metadata.__name__: dcp_metadata}.get(module)
+        found = getattr(source, name, None) if source is not None else None
+        if isinstance(found, torch.dtype) or (isinstance(found, type) and found.__module__ == dcp_metadata.__name__):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        file = Path(self.path) / ".metadata"
+        with open(file, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+                raise CheckpointError(f"{file} is unreadable ({err})") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _TensorsOnly(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):
+        # DCP would torch.load(weights_only=False) a non-tensor value.
+        raise CheckpointError(f"{read_item.dest_index.fqn} is not a tensor; checkpoints hold tensors only")
 
 
 def _coords():
@@ -103,7 +368,7 @@ def _is_distributed_optimizer(optimizer) -> bool:
 def _optimizer_state(optimizer) -> list[dict]:
     return [
         {"state_dict": inner.state_dict(),
-         "main_params": [p.detach().cpu().clone() for group in inner.param_groups for p in group["params"]]}
+         "main_params": [p.detach() for group in inner.param_groups for p in group["params"]]}
         for inner in inner_optimizers(optimizer)
     ]
 
@@ -119,24 +384,19 @@ def _load_optimizer_state(optimizer, saved: list[dict]):
             param.copy_(value)
 
 
-def _pack(obj) -> bytes:
-    # Non-tensor state (optimizer moments and step counts, RNG tuples) goes in as one serialized
-    # value per key: DCP stores such values as bytes and needs no template of their structure.
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpack(data: bytes):
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-
-
 def _optim_key(optimizer, tp: int, pp: int, rank: int) -> str:
     return f"rank{rank}/optim" if _is_distributed_optimizer(optimizer) else f"tp{tp}_pp{pp}/optim"
 
 
 def _model_state(engine, tp: int, pp: int) -> dict:
-    return {f"tp{tp}_pp{pp}/model": {str(i): _unwrap(chunk).state_dict() for i, chunk in enumerate(engine.model)}}
+    state = {}
+    for i, chunk in enumerate(engine.model):
+        for name, value in _unwrap(chunk).state_dict().items():
+            if isinstance(value, torch.Tensor):
+                state[f"tp{tp}_pp{pp}/model/{i}/{name}"] = value
+            elif value is not None:  # megatron's local layers have _extra_state None: nothing to save
+                raise TypeError(f"model state {name}: a {type(value).__name__}; checkpoints hold tensors only")
+    return state
 
 
 def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, keep: int = 0) -> Path:
@@ -152,16 +412,24 @@ def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, kee
         tmp.mkdir()
     dist.barrier()
 
-    state = {f"rank{rank}/rng": _pack(_rng_state())}
+    tensors, docs = {}, {}
+    docs[f"rank{rank}/rng"] = _encode(_rng_state(), f"rank{rank}/rng", tensors)
     if dp == 0:
-        state.update(_model_state(engine, tp, pp))
+        tensors.update(_model_state(engine, tp, pp))
     if dp == 0 or _is_distributed_optimizer(engine.optimizer):
-        state[_optim_key(engine.optimizer, tp, pp, rank)] = _pack(_optimizer_state(engine.optimizer))
-    dcp.save(state, checkpoint_id=str(tmp))
+        key = _optim_key(engine.optimizer, tp, pp, rank)
+        docs[key] = _encode(_optimizer_state(engine.optimizer), key, tensors)
+    for key, doc in docs.items():
+        (tmp / _json_name(key)).write_text(json.dumps(doc))
+    dcp.save(tensors, checkpoint_id=str(tmp))
+    dist.barrier()
+    files = _file_digests(tmp)
     if rank == 0:
         record = dict(meta, format=FORMAT, step=step, consumed_samples=consumed_samples,
-                      scheduler=engine.scheduler.state_dict(), time=time.time())
-        (tmp / "meta.json").write_text(json.dumps(record, indent=1, default=str))
+                      scheduler=engine.scheduler.state_dict(), time=time.time(), files=files)
+        record = json.loads(json.dumps(record, default=str))  # the digest is of what the file holds
+        record["sha256"] = _meta_digest(record)
+        (tmp / META).write_text(json.dumps(record, indent=1))
     dist.barrier()
 
     if rank == 0:
@@ -184,11 +452,10 @@ def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, kee
 
 @torch.no_grad()  # copies into parameters
 def load(path, *, engine, layout: dict) -> dict:
-    """Restore the state saved in checkpoint `path` into engine (collective); returns its meta."""
+    """Restore the state saved in checkpoint `path` into engine (collective); returns its meta.
+    The files are not hashed here: ``verify_collective`` checks them before."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path} has format {meta.get('format')}; this version reads format {FORMAT}")
+    meta = read_meta(path)
     saved = meta.get("layout", {})
     if any(saved.get(k) != layout[k] for k in ("tp", "pp", "dp")):
         raise ValueError(
@@ -197,18 +464,27 @@ def load(path, *, engine, layout: dict) -> dict:
         )
     tp, pp, _dp = _coords()
     rank = dist.get_rank()
-    optim_key = _optim_key(engine.optimizer, tp, pp, rank)
+    rng_key, optim_key = f"rank{rank}/rng", _optim_key(engine.optimizer, tp, pp, rank)
+    docs = {}
+    for key in (rng_key, optim_key):
+        try:
+            docs[key] = json.loads((path / _json_name(key)).read_bytes())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{path / _json_name(key)} is unreadable ({err})") from None
     # DCP loads in place into a template of the same keys: the model's own state dict (every data-
-    # parallel rank reads the copy data-parallel rank 0 wrote) and placeholders for the bytes.
-    state = {f"rank{rank}/rng": b"", optim_key: b""}
-    state.update(_model_state(engine, tp, pp))
-    dcp.load(state, checkpoint_id=str(path))
-    chunks = state[f"tp{tp}_pp{pp}/model"]
+    # parallel rank reads the copy data-parallel rank 0 wrote) and empty tensors shaped as saved.
+    state = _model_state(engine, tp, pp)
+    for doc in docs.values():
+        _templates(doc, state)
+    dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnly())
     for i, chunk in enumerate(engine.model):
-        _unwrap(chunk).load_state_dict(chunks[str(i)])
-    _load_optimizer_state(engine.optimizer, _unpack(state[optim_key]))
+        prefix, module = f"tp{tp}_pp{pp}/model/{i}/", _unwrap(chunk)
+        own = module.state_dict()  # with its None entries
+        own.update({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        module.load_state_dict(own)
+    _load_optimizer_state(engine.optimizer, _decode(docs[optim_key], state))
     engine.scheduler.load_state_dict(meta["scheduler"])
-    _set_rng_state(_unpack(state[f"rank{rank}/rng"]))
+    _set_rng_state(_decode(docs[rng_key], state))
     dist.barrier()
     return meta
 

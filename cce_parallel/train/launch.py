@@ -6,11 +6,13 @@ as ``python -m torch.distributed.run --standalone --nproc-per-node N -m cce_para
 with N = tensor · pipeline · (data or 1), and says so.
 """
 
+import ctypes
 import dataclasses
 import datetime
 import json
 import os
 import random
+import signal
 import socket
 import sys
 import warnings
@@ -115,7 +117,9 @@ def init_distributed(recipe: Recipe, device: str) -> dict:
     """
     from megatron.core import parallel_state
 
-    if not under_torchrun():  # a plain start that needs one process
+    if under_torchrun():
+        exit_with_launcher()
+    else:  # a plain start that needs one process
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     world = int(os.environ["WORLD_SIZE"])
@@ -138,6 +142,23 @@ def init_distributed(recipe: Recipe, device: str) -> dict:
         "rank": dist.get_rank(), "world": world, "local_rank": local_rank, "tp": p.tensor, "pp": p.pipeline,
         "dp": dp, "dp_rank": parallel_state.get_data_parallel_rank(), "accumulation": accumulation,
     }
+
+
+def exit_with_launcher():
+    """Have the kernel SIGKILL this worker when its parent (torchrun's agent) exits (Linux).
+
+    torchrun stops its workers when it is stopped, but a SIGKILLed torchrun (a node's OOM killer,
+    `kill -9`, a lost SLURM step) cannot: its workers would run on, holding GPUs and the run
+    directory, and writing checkpoints beside the restarted run.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        warnings.warn(f"prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): workers outlive a killed torchrun")
+    elif os.getppid() != parent:  # the launcher died before the call
+        os._exit(1)
 
 
 def _seed(seed: int, device: str):

@@ -64,9 +64,9 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
             recipe.train.precision, torch.bfloat16 if device == "cuda" else torch.float32
         )
+        self._lock = self._lock_run_dir()
         resume_from = self._find_resume()
         if self.rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.yaml").write_text(dump_recipe(recipe, header=f"resolved recipe\n{command}"))
             if resume_from is None and (self.run_dir / "metrics.jsonl").exists():
                 os.replace(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.jsonl.prev")
@@ -104,21 +104,40 @@ class Trainer:
 
     # -- setup helpers ---------------------------------------------------------------------
 
+    def _lock_run_dir(self) -> int | None:
+        """Rank 0 holds the run directory's lock; every rank raises if another run holds it."""
+        fd, problem = None, [None]
+        if self.rank0:
+            try:
+                fd = checkpoint.lock_run_dir(self.run_dir)
+            except checkpoint.CheckpointError as err:
+                problem = [str(err)]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise RecipeError(f"run.name: {problem[0]}; stop it or choose another run.name")
+        return fd
+
     def _find_resume(self) -> Path | None:
+        """The checkpoint to resume from, checked (collective)."""
         resume = self.recipe.checkpoint.resume
-        if resume == "auto":
-            return checkpoint.latest_checkpoint(self.ckpt_dir)
         if resume == "never":
-            if checkpoint.latest_checkpoint(self.ckpt_dir) is not None:
+            if checkpoint.checkpoints(self.ckpt_dir):
                 raise RecipeError(
                     f"checkpoint.resume: never, but {self.ckpt_dir} holds checkpoints; remove them, choose another "
                     "run.name, or resume (checkpoint.resume=auto)"
                 )
             return None
-        path = Path(resume)
-        if not (path / "meta.json").is_file():
-            raise RecipeError(f"checkpoint.resume: {resume} is not a checkpoint directory (no meta.json)")
-        return path
+        try:
+            if resume == "auto":
+                return checkpoint.newest_valid(self.ckpt_dir, warn=self._warn)
+            checkpoint.verify_collective(resume)
+            return Path(resume)
+        except checkpoint.CheckpointError as err:
+            raise RecipeError(f"checkpoint.resume: {resume}: {err}") from None
+
+    def _warn(self, line: str):
+        if self.rank0:
+            print(line, file=sys.stderr, flush=True)
 
     def _total_parameters(self, stage_params: int) -> int:
         """Parameters of the whole model: the stages' sums over their TP groups, without the
@@ -264,5 +283,7 @@ class Trainer:
 
     def close(self):
         self.metrics.close()
+        if self._lock is not None:
+            os.close(self._lock)
         launch.shutdown()
 

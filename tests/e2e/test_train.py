@@ -51,7 +51,7 @@ def test_tiny_tp2_trains(tiny_reference):
     names = {p.name for p in (ckpt / "step_0000050").iterdir()}
     assert {"meta.json", ".metadata"} <= names, names  # a torch.distributed.checkpoint save
     assert sum(name.endswith(".distcp") for name in names) == 2, names  # one file per rank
-    assert json.loads((ckpt / "step_0000050" / "meta.json").read_text())["format"] == 2
+    assert json.loads((ckpt / "step_0000050" / "meta.json").read_text())["format"] == 3
     assert "step     50/50" in done.stdout and "val ppl" in done.stdout
     print(f"tiny reference run: {done.seconds:.1f} s; loss {first:.3f} -> {last:.3f}")
 

@@ -1,0 +1,225 @@
+"""Checkpoints under faults: what they hold (tensors and small JSON, nothing to unpickle), corrupt
+or incomplete files (found by their checksums, skipped for the previous checkpoint or refused
+when named), the run directory's lock, and workers that die with a SIGKILLed torchrun."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.conftest import ROOT, _descendants, base_overrides, run_train, train_command, train_env
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tiny_data, runs_dir):
+    """The tiny recipe (TP=2) to step 4 with checkpoints at steps 2 and 4: (run dir, metrics)."""
+    from cce_parallel.train.metrics import read_metrics
+
+    run_train(base_overrides(runs_dir, tiny_data, "faults") + ["train.stop_at=4", "checkpoint.interval=2"])
+    run_dir = runs_dir / "faults"
+    return run_dir, read_metrics(run_dir / "metrics.jsonl")
+
+
+def _copy_run(run_dir: Path, name: str) -> Path:
+    copy = run_dir.parent / name
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def _flip_bit(file: Path, offset: int):
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def test_checkpoint_holds_tensors_and_small_json(two_checkpoints):
+    from cce_parallel.train import checkpoint
+
+    run_dir, _ = two_checkpoints
+    path = run_dir / "checkpoints" / "step_0000004"
+    meta = checkpoint.verify(path)
+    names = {p.name for p in path.iterdir()}
+    assert set(meta["files"]) == names - {"meta.json"}
+    assert {"rank0.rng.json", "rank1.rng.json", "tp0_pp0.optim.json", "tp1_pp0.optim.json"} <= names
+    for name in names:
+        assert name.endswith((".json", ".distcp")) or name == ".metadata", name
+        if name.endswith(".json") and name != "meta.json":
+            assert (path / name).stat().st_size < 64 << 10, name  # structure and plain values, no tensor data
+    metadata = checkpoint._SafeReader(path).read_metadata()
+    kinds = {type(md).__name__ for md in metadata.state_dict_metadata.values()}
+    assert kinds == {"TensorStorageMetadata"}  # nothing DCP would unpickle on load
+    assert any(key.startswith("tp1_pp0/optim/0/state_dict/") for key in metadata.state_dict_metadata)
+
+
+def test_encoded_state_keeps_tensor_data_out_of_json():
+    """A state as large as a 2.5B-parameter model's Adam moments (meta tensors: no memory)
+    encodes to a few hundred bytes of JSON; anything not plain data is refused."""
+    from cce_parallel.train import checkpoint
+
+    n = 2_500_000_000
+    state = {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.empty(n, device="meta"),
+                           "exp_avg_sq": torch.empty(n, device="meta")}},
+             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0], "exp_avg_dtype": torch.bfloat16}]}
+    tensors = {}
+    doc = checkpoint._encode([{"state_dict": state, "main_params": [torch.empty(n, device="meta")]}], "x", tensors)
+    assert len(json.dumps(doc)) < 1000
+    assert sorted(tensors) == ["x/0/main_params/0", "x/0/state_dict/state/0/exp_avg",
+                               "x/0/state_dict/state/0/exp_avg_sq", "x/0/state_dict/state/0/step"]
+    back = checkpoint._decode(json.loads(json.dumps(doc)), tensors)
+    assert back[0]["state_dict"]["param_groups"] == state["param_groups"]
+    assert back[0]["state_dict"]["state"][0]["exp_avg"] is tensors["x/0/state_dict/state/0/exp_avg"]
+    with pytest.raises(TypeError, match="x/k: a object cannot go into a checkpoint"):
+        checkpoint._encode({"k": object()}, "x", {})
+
+
+def _truncate(path):
+    shard = path / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return "__1_0.distcp has"
+
+
+def _bit_flip(path):
+    shard = path / "__0_0.distcp"
+    _flip_bit(shard, shard.stat().st_size // 2)
+    return "__0_0.distcp is corrupt (sha256 mismatch)"
+
+
+def _delete_metadata(path):
+    (path / ".metadata").unlink()
+    return ".metadata is missing"
+
+
+def _garbage_meta(path):
+    (path / "meta.json").write_bytes((path / "meta.json").read_bytes()[:100])
+    return "meta.json is unreadable"
+
+
+def _edited_meta(path):
+    meta = json.loads((path / "meta.json").read_text())
+    meta["step"] += 1
+    (path / "meta.json").write_text(json.dumps(meta))
+    return "meta.json is corrupt (its content does not match its sha256)"
+
+
+def _rng_json(path):
+    _flip_bit(path / "rank1.rng.json", 50)
+    return "rank1.rng.json is corrupt (sha256 mismatch)"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _bit_flip, _delete_metadata, _garbage_meta, _edited_meta, _rng_json])
+def test_verify_names_the_damaged_file(two_checkpoints, tmp_path, damage):
+    from cce_parallel.train import checkpoint
+
+    run_dir, _ = two_checkpoints
+    path = tmp_path / "step_0000004"
+    shutil.copytree(run_dir / "checkpoints" / "step_0000004", path)
+    checkpoint.verify(path)
+    expected = damage(path)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.verify(path)
+    assert f"{path}/{expected}" in str(err.value)
+
+
+def test_metadata_unpickler_refuses_code(two_checkpoints, tmp_path):
+    from cce_parallel.train import checkpoint
+
+    run_dir, _ = two_checkpoints
+    path = tmp_path / "step_0000004"
+    shutil.copytree(run_dir / "checkpoints" / "step_0000004", path)
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(checkpoint.CheckpointError, match="posix.system is not allowed"):
+        checkpoint._SafeReader(path).read_metadata()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_corrupt_newest_checkpoint_falls_back(two_checkpoints, tiny_data):
+    """Step 4's shard is damaged: the restart warns, naming it, resumes from step 2, and steps 3
+    and 4 repeat the first run's losses bitwise."""
+    from cce_parallel.train.metrics import read_metrics
+
+    run_dir, first = two_checkpoints
+    run_dir = _copy_run(run_dir, "faults-fallback")
+    shard = run_dir / "checkpoints" / "step_0000004" / "__0_0.distcp"
+    _flip_bit(shard, shard.stat().st_size // 3)
+    overrides = base_overrides(run_dir.parent, tiny_data, run_dir.name)
+    done = run_train(overrides + ["train.stop_at=4", "checkpoint.interval=2"])
+    warning = f"warning: skipping checkpoint step_0000004: {shard} is corrupt (sha256 mismatch)"
+    assert warning in done.stderr.splitlines()
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_0000002'} at step 2" in done.stdout
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert list(metrics["resume"]) == [2]
+    assert [metrics["train"][s]["loss"] for s in (3, 4)] == [first["train"][s]["loss"] for s in (3, 4)]
+
+
+def test_named_bad_checkpoint_is_an_error(two_checkpoints, runs_dir, tiny_data):
+    run_dir, _ = two_checkpoints
+    run_dir = _copy_run(run_dir, "faults-named")
+    path = run_dir / "checkpoints" / "step_0000004"
+    (path / ".metadata").unlink()
+    done = run_train(base_overrides(runs_dir, tiny_data, "faults-named-2") + [f"checkpoint.resume={path}"], check=False)
+    assert done.returncode != 0
+    line = f"cce-train: invalid recipe: checkpoint.resume: {path}: {path}/.metadata is missing"
+    assert line in done.stderr.splitlines()
+    assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr  # torchrun adds its own
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_lock_and_killed_launcher(tiny_data, runs_dir):
+    """A second run on a live run's directory is refused, naming the holder; SIGKILL to torchrun
+    alone takes its workers down within seconds; the stale lock does not block the restart."""
+    overrides = base_overrides(runs_dir, tiny_data, "locked") + ["checkpoint.interval=2"]
+    run_dir = runs_dir / "locked"
+    proc = subprocess.Popen(train_command(overrides), cwd=ROOT, env=train_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    workers = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the first run did not reach a checkpoint"
+            time.sleep(0.1)
+        holder = (run_dir / ".lock").read_text().strip()
+        assert holder.startswith("pid ") and " on host " in holder
+
+        second = run_train(overrides, check=False)
+        assert second.returncode != 0
+        assert f"cce-train: invalid recipe: run.name: {run_dir} is in use by another run ({holder}" in second.stderr
+
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), "workers outlived their killed launcher"
+    finally:
+        for pid in [proc.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    step = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    done = run_train(overrides + [f"train.stop_at={step + 1}"])
+    assert "resumed from" in done.stdout
