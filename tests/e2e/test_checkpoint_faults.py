@@ -188,7 +188,9 @@ def _alive(pid: int) -> bool:
 def test_lock_and_killed_launcher(tiny_data, runs_dir):
     """A second run on a live run's directory is refused, naming the holder; SIGKILL to torchrun
     alone takes its workers down within seconds; the stale lock does not block the restart."""
-    overrides = base_overrides(runs_dir, tiny_data, "locked") + ["checkpoint.interval=2"]
+    # Far more steps than the test needs: the first run must still hold the lock when the second
+    # starts, however slow the machine (50 steps ended before the second run's start on 2 cores).
+    overrides = base_overrides(runs_dir, tiny_data, "locked") + ["checkpoint.interval=2", "train.steps=100000"]
     run_dir = runs_dir / "locked"
     proc = subprocess.Popen(train_command(overrides), cwd=ROOT, env=train_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
