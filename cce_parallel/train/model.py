@@ -86,6 +86,10 @@ def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, in
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=p.pipeline > 1,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
+        recompute_modules=m.recompute_module_list if m.recompute_granularity == "selective" else None,
     )
 
 

@@ -160,6 +160,24 @@ def test_unknown_keys_and_wrong_types(raw, key):
         ({"model": {"seq_length": 0}}, "model.seq_length"),
         ({"train": {"stop_at": 99}}, "train.stop_at"),
         ({"data": {"tokenizer": "gpt2"}}, "data.tokenizer"),
+        ({"model": {"recompute_granularity": "full", "recompute_num_layers": 1}}, "model.recompute_method"),
+        ({"model": {"recompute_granularity": "full", "recompute_method": "block"}}, "model.recompute_num_layers"),
+        ({"model": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 0}},
+         "model.recompute_num_layers"),
+        ({"model": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 3}},
+         "model.recompute_num_layers"),
+        ({"model": {"num_layers": 4, "recompute_granularity": "full", "recompute_method": "block",
+                    "recompute_num_layers": 3}, "parallel": {"pipeline": 2}}, "model.recompute_num_layers"),
+        ({"model": {"recompute_granularity": "selective", "recompute_method": "block"}}, "model.recompute_method"),
+        ({"model": {"recompute_granularity": "selective", "recompute_num_layers": 1}}, "model.recompute_num_layers"),
+        ({"model": {"recompute_method": "uniform"}}, "model.recompute_method"),
+        ({"model": {"recompute_granularity": "selective", "recompute_modules": "core_attn,moe"}},
+         "model.recompute_modules"),
+        ({"model": {"recompute_granularity": "selective", "recompute_modules": " , "}}, "model.recompute_modules"),
+        ({"model": {"recompute_granularity": "selective", "recompute_modules": "mlp,mlp"}}, "model.recompute_modules"),
+        ({"model": {"recompute_granularity": "selective", "recompute_modules": "layernorm"}},
+         "model.recompute_modules"),
+        ({"model": {"recompute_granularity": "partial"}}, "model.recompute_granularity"),
     ],
 )
 def test_inconsistent_sizes(raw, key):
@@ -185,6 +203,30 @@ def test_cuda_only_features_on_cpu():
     assert _error({"model": {"position_embedding": "rope"}}, world=2).startswith("model.position_embedding")
     recipe = recipe_from_dict({"parallel": {"pipeline": 2}})
     assert recipe.check_world(4, "cuda") == (1, 2)
+    full = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
+    assert _error({"model": full}, world=2).startswith("model.recompute_granularity")
+    assert recipe_from_dict({"model": full}).check_world(2, "cuda") == Recipe().check_world(2, "cuda")
+
+
+def test_recompute_keys_are_valid_megatron_configs():
+    """The accepted combinations build megatron-core TransformerConfigs (which check them too)."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    from cce_parallel.train.model import transformer_config
+
+    for model in (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective", "recompute_modules": "core_attn, mlp"},
+        {"recompute_granularity": "selective", "recompute_modules": "layernorm", "attention": "te"},
+    ):
+        config = transformer_config(recipe_from_dict({"model": model}), dtype=torch.float32, cpu_init=True)
+        assert config.recompute_granularity == model["recompute_granularity"]
+        assert config.recompute_method == model.get("recompute_method")
+        assert config.recompute_num_layers == model.get("recompute_num_layers")
+        if model["recompute_granularity"] == "selective":
+            assert config.recompute_modules == [x.strip() for x in model["recompute_modules"].split(",")]
 
 
 def test_overrides():
