@@ -81,6 +81,42 @@ def test_dry_run_with_pipeline_and_megatron_loss():
     assert report["stages"][1]["output_layer"] == "ColumnParallelLinear"
 
 
+def test_dry_run_activations_shrink_with_recompute():
+    """--dry-run's activation estimate: full < selective mlp < none = selective core_attn (flash-style
+    attention keeps no s² scores), and full uniform keeps one layer input per chunk plus one chunk."""
+    from cce_parallel.train.estimate import activation_bytes, dry_run
+
+    base = ["train.micro_batch_size=4", "model.num_layers=8"]
+    path = ROOT / "recipes" / "gpt2-small-owt.yaml"
+
+    def activations(*overrides):
+        report = dry_run(load_recipe(path, base + list(overrides)), world_size=4, quiet=True)
+        return report["memory"][0]["activations"]
+
+    none = activations()
+    core_attn = activations("model.recompute_granularity=selective")
+    mlp = activations("model.recompute_granularity=selective", "model.recompute_modules=mlp")
+    full = ["model.recompute_granularity=full", "model.recompute_method=uniform"]
+    uniform1, uniform4 = activations(*full, "model.recompute_num_layers=1"), activations(*full, "model.recompute_num_layers=4")
+    block = ["model.recompute_granularity=full", "model.recompute_method=block"]
+    block2, block8 = activations(*block, "model.recompute_num_layers=2"), activations(*block, "model.recompute_num_layers=8")
+    assert core_attn == none
+    assert uniform1 == block8 < block2 < none  # block over all layers = uniform chunks of 1
+    assert uniform1 < mlp < none
+    assert uniform1 < uniform4 < none
+
+    recipe = load_recipe(path, base)
+    tp = recipe.parallel.tensor
+    sbh = 4 * recipe.model.seq_length * recipe.model.hidden_size  # bf16: 2 bytes per element
+    layer, layer_input = sbh * (10 + 24 / tp), 2 * sbh
+    assert none == pytest.approx(8 * layer)
+    assert uniform1 == pytest.approx(8 * layer_input + layer)
+    assert uniform4 == pytest.approx(2 * layer_input + 4 * layer)
+    assert block2 == pytest.approx(2 * layer_input + 6 * layer + layer)
+    assert mlp == pytest.approx(8 * (layer - 16 * sbh / tp))
+    assert activation_bytes(recipe, layers=8, in_flight=3, width=2) == pytest.approx(3 * none)
+
+
 def test_impl_list_matches_the_package():
     import cce_parallel
 
