@@ -123,6 +123,9 @@ class ModelConfig(Section):
     """MLP activation: gelu (GPT-2), swiglu (Llama), geglu with tanh-approximate GeLU (Gemma)."""
     add_bias_linear: bool = True
     """Biases in the linear layers (GPT-2: yes; Llama, Gemma: no)."""
+    scale_embeddings: bool = False
+    """Multiply the embedding layer's output by sqrt(hidden_size), rounded to the compute dtype, as
+    Gemma does (with learned positions, their sum; the output layer, tied or not, is not scaled)."""
     tie_embeddings: bool = True
     """Share the input embedding and the output layer (classifier) weights."""
     init_method_std: float = 0.02

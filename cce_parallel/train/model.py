@@ -128,6 +128,8 @@ def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, dev
         position_embedding_type=m.position_embedding,
         rotary_base=m.rotary_base,
     )
+    if m.scale_embeddings and model.pre_process:
+        model.embedding.register_forward_hook(_scale_by_sqrt_hidden)
     if loss.is_cce:
         use_cce(
             model,
@@ -139,6 +141,11 @@ def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, dev
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         )
     return model
+
+
+def _scale_by_sqrt_hidden(module, inputs, output):
+    """Gemma's input embedding scaling: embeddings · sqrt(h), the factor rounded to their dtype."""
+    return output * torch.tensor(output.shape[-1] ** 0.5, dtype=output.dtype)
 
 
 # -- sizes ---------------------------------------------------------------------------------------

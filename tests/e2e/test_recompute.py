@@ -98,3 +98,32 @@ def test_recompute_gives_the_same_loss_and_gradients(one_rank, monkeypatch, loss
     assert grads.keys() == ref_grads.keys()
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _decoder_input(model_keys: dict):
+    from cce_parallel.train.model import build_gpt, transformer_config
+
+    recipe = recipe_from_dict({"model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4,
+                                         "seq_length": 16, "attention": "sdpa", **model_keys},
+                               "parallel": {"tensor": 1}})
+    torch.manual_seed(0)
+    model = build_gpt(recipe, transformer_config(recipe, dtype=torch.float32, cpu_init=True), vocab_size=VOCAB,
+                      device="cpu")
+    seen = {}
+
+    def keep(module, args, kwargs):
+        seen["hidden"] = kwargs["hidden_states"].detach().clone()
+
+    model.decoder.register_forward_pre_hook(keep, with_kwargs=True)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens).mean()
+    loss.backward()
+    return seen["hidden"], model.embedding.word_embeddings.weight.grad
+
+
+def test_scale_embeddings_multiplies_the_decoder_input_by_sqrt_hidden(one_rank):
+    """model.scale_embeddings (Gemma): the decoder sees the embeddings times sqrt(32); gradients flow."""
+    plain, _ = _decoder_input({})
+    scaled, grad = _decoder_input({"scale_embeddings": True})
+    torch.testing.assert_close(scaled, plain * 32**0.5, rtol=1e-6, atol=0)
+    assert grad is not None and grad.abs().sum() > 0
