@@ -115,6 +115,9 @@ class ModelConfig(Section):
     """Learned absolute positions (GPT-2) or rotary embeddings (Llama, Gemma)."""
     rotary_base: int = 10000
     """Rotary base period (Llama 3: 500,000). Only with rope."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1/3.2's rotary frequency scaling with this factor (megatron-core's: low/high frequency
+    factors 1 and 4 over an original context of 8,192; Llama 3.2: 32); None: none. Only with rope."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Layer norm flavour."""
     layernorm_epsilon: float = 1e-5
@@ -162,6 +165,9 @@ class ModelConfig(Section):
                        "vocab_size", allow_none=True)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             self._fail("num_attention_heads", f"must divide hidden_size={self.hidden_size} (or set model.kv_channels)")
+        self._positive("rope_scaling_factor", allow_none=True)
+        if self.rope_scaling_factor is not None and self.position_embedding != "rope":
+            self._fail("rope_scaling_factor", "needs position_embedding=rope")
         if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
             self._fail("num_query_groups", f"must divide num_attention_heads={self.num_attention_heads}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:

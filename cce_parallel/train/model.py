@@ -127,6 +127,8 @@ def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, dev
         share_embeddings_and_output_weights=m.tie_embeddings,
         position_embedding_type=m.position_embedding,
         rotary_base=m.rotary_base,
+        rope_scaling=m.rope_scaling_factor is not None,
+        rope_scaling_factor=m.rope_scaling_factor or 8.0,  # megatron's default, unused without scaling
     )
     if m.scale_embeddings and model.pre_process:
         model.embedding.register_forward_hook(_scale_by_sqrt_hidden)

@@ -127,3 +127,33 @@ def test_scale_embeddings_multiplies_the_decoder_input_by_sqrt_hidden(one_rank):
     scaled, grad = _decoder_input({"scale_embeddings": True})
     torch.testing.assert_close(scaled, plain * 32**0.5, rtol=1e-6, atol=0)
     assert grad is not None and grad.abs().sum() > 0
+
+
+def test_rope_scaling_factor_gives_llama3_frequencies(one_rank):
+    """model.rope_scaling_factor: the rotary frequencies of Llama 3.1/3.2 (computed here from their
+    definition: long wavelengths divided by the factor, short ones kept, a smooth ramp between)."""
+    from cce_parallel.train.model import build_gpt, transformer_config
+
+    def inv_freq(factor):
+        keys = {"rope_scaling_factor": factor} if factor else {}
+        recipe = recipe_from_dict({"model": {"num_layers": 1, "hidden_size": 256, "num_attention_heads": 2,
+                                             "seq_length": 16, "attention": "sdpa", "position_embedding": "rope",
+                                             "rotary_base": 500000, **keys}, "parallel": {"tensor": 1}})
+        model = build_gpt(recipe, transformer_config(recipe, dtype=torch.float32, cpu_init=True),
+                          vocab_size=VOCAB, device="cpu")
+        return model.rotary_pos_emb.inv_freq
+
+    plain, scaled = inv_freq(None), inv_freq(32.0)
+    torch.testing.assert_close(plain, 1.0 / 500000 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    expected = []
+    for f in plain.tolist():
+        wavelength = 2 * torch.pi / f
+        if wavelength < 8192 / 4:
+            expected.append(f)
+        elif wavelength > 8192 / 1:
+            expected.append(f / 32)
+        else:
+            smooth = (8192 / wavelength - 1) / (4 - 1)
+            expected.append((1 - smooth) * f / 32 + smooth * f)
+    torch.testing.assert_close(scaled, torch.tensor(expected), rtol=1e-5, atol=0)
+    assert (scaled < plain).any() and (scaled == plain).any()
