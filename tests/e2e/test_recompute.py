@@ -157,3 +157,32 @@ def test_rope_scaling_factor_gives_llama3_frequencies(one_rank):
             expected.append((1 - smooth) * f / 32 + smooth * f)
     torch.testing.assert_close(scaled, torch.tensor(expected), rtol=1e-5, atol=0)
     assert (scaled < plain).any() and (scaled == plain).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys", [
+    ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"],
+    ["model.recompute_granularity=selective", "model.recompute_modules=core_attn,mlp"],
+], ids=["full", "selective"])
+def test_gpu_train_job_with_recompute_matches(tiny_data, runs_dir, keys):
+    """On a GPU, with dropout (so that megatron's checkpoint must restore the CUDA RNG state for the
+    recomputed forward): 20 steps of the train job with recomputation give the losses of the run
+    without it. Run: ``CCE_TEST_GPU=1 pytest tests/e2e/test_recompute.py -k gpu`` (one GPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from cce_parallel.train.metrics import read_metrics
+    from tests.e2e.conftest import base_overrides, run_train, train_env
+
+    env = train_env()
+    env.pop("TRITON_INTERPRET")
+    common = ["run.device=cuda", "parallel.tensor=1", "train.precision=fp32", "train.steps=20", "logging.interval=1",
+              "logging.wandb=disabled", "eval.interval=1000", "checkpoint.interval=1000", "model.num_layers=4",
+              "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "model.attention=sdpa"]
+    name = "recompute-" + keys[0].split("=")[1]
+    run_train(base_overrides(runs_dir, tiny_data, "no-recompute-" + name) + common, nproc=1, env=env)
+    run_train(base_overrides(runs_dir, tiny_data, name) + common + keys, nproc=1, env=env)
+    want = read_metrics(runs_dir / ("no-recompute-" + name) / "metrics.jsonl")["train"]
+    got = read_metrics(runs_dir / name / "metrics.jsonl")["train"]
+    assert sorted(got) == sorted(want) == list(range(1, 21))
+    for step in want:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
