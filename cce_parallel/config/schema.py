@@ -25,6 +25,11 @@ CCE_IMPLS = ("cce", "cce_kahan", "cce_kahan_full_c", "cce_kahan_full_e", "exact"
 LOSS_IMPLS = CCE_IMPLS + ("megatron",)
 
 
+# The parts of a dense transformer layer that megatron-core's selective recomputation can rerun
+# (its other recompute_modules are for MoE and MLA layers, which the train job does not build).
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
 class RecipeError(ValueError):
     """A recipe is invalid; the message starts with the offending key (``section.field``)."""
 
@@ -110,6 +115,9 @@ class ModelConfig(Section):
     """Learned absolute positions (GPT-2) or rotary embeddings (Llama, Gemma)."""
     rotary_base: int = 10000
     """Rotary base period (Llama 3: 500,000). Only with rope."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1/3.2's rotary frequency scaling with this factor (megatron-core's: low/high frequency
+    factors 1 and 4 over an original context of 8,192; Llama 3.2: 32); None: none. Only with rope."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Layer norm flavour."""
     layernorm_epsilon: float = 1e-5
@@ -118,6 +126,9 @@ class ModelConfig(Section):
     """MLP activation: gelu (GPT-2), swiglu (Llama), geglu with tanh-approximate GeLU (Gemma)."""
     add_bias_linear: bool = True
     """Biases in the linear layers (GPT-2: yes; Llama, Gemma: no)."""
+    scale_embeddings: bool = False
+    """Multiply the embedding layer's output by sqrt(hidden_size), rounded to the compute dtype, as
+    Gemma does (with learned positions, their sum; the output layer, tied or not, is not scaled)."""
     tie_embeddings: bool = True
     """Share the input embedding and the output layer (classifier) weights."""
     init_method_std: float = 0.02
@@ -126,6 +137,22 @@ class ModelConfig(Section):
     """Dropout after attention and MLP."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
+    recompute_granularity: Literal["selective", "full"] | None = None
+    """Activation recomputation (megatron-core's): None keeps every activation for the backward;
+    ``full`` keeps only the input of recomputed layers and reruns them in the backward (see
+    recompute_method, recompute_num_layers); ``selective`` reruns only recompute_modules."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With full recomputation (required there): ``uniform`` checkpoints every layer of each pipeline
+    stage in chunks of recompute_num_layers layers; ``block`` recomputes the first
+    recompute_num_layers layers of each stage and keeps the activations of the others."""
+    recompute_num_layers: int | None = None
+    """With full recomputation (required there): layers per chunk (uniform) or recomputed layers
+    per pipeline stage (block); at most the layers of a stage."""
+    recompute_modules: str = "core_attn"
+    """With selective recomputation: comma-separated parts of each layer to rerun in the backward,
+    of ``core_attn`` (the attention softmax·V; with flash-style SDPA or TE attention it frees little,
+    as no s² scores are kept), ``mlp`` (the MLP) and ``layernorm`` (the two norms' outputs; needs
+    model.attention=te: megatron-core checkpoints the norms through Transformer Engine)."""
     attention: Literal["auto", "te", "sdpa"] = "auto"
     """Layer spec: ``te`` Transformer Engine layers, ``sdpa`` megatron-core's local layers with core
     attention on torch's scaled_dot_product_attention (CPU and GPUs), ``auto``: te when Transformer
@@ -138,6 +165,9 @@ class ModelConfig(Section):
                        "vocab_size", allow_none=True)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             self._fail("num_attention_heads", f"must divide hidden_size={self.hidden_size} (or set model.kv_channels)")
+        self._positive("rope_scaling_factor", allow_none=True)
+        if self.rope_scaling_factor is not None and self.position_embedding != "rope":
+            self._fail("rope_scaling_factor", "needs position_embedding=rope")
         if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
             self._fail("num_query_groups", f"must divide num_attention_heads={self.num_attention_heads}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
@@ -145,6 +175,36 @@ class ModelConfig(Section):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 self._fail(name, "must be in [0, 1)")
+        self._check_recompute()
+
+    def _check_recompute(self):
+        full = self.recompute_granularity == "full"
+        if full and self.recompute_method is None:
+            self._fail("recompute_method", "must be uniform or block with recompute_granularity=full")
+        if full and self.recompute_num_layers is None:
+            self._fail("recompute_num_layers", "must be set with recompute_granularity=full")
+        if not full:
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(self, name) is not None:
+                    self._fail(name, f"is only for recompute_granularity=full "
+                                     f"(recompute_granularity={self.recompute_granularity!r})")
+        self._positive("recompute_num_layers", allow_none=True)
+        if self.recompute_granularity == "selective":
+            modules = self.recompute_module_list
+            unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+            if not modules or unknown:
+                self._fail("recompute_modules", f"must be a comma-separated list of {', '.join(RECOMPUTE_MODULES)}")
+            if len(set(modules)) != len(modules):
+                self._fail("recompute_modules", "names a module twice")
+            if "layernorm" in modules and self.attention != "te":
+                # megatron-core (0.16-0.19) checkpoints the norms with CheckpointWithoutOutput, which
+                # always takes its FP8 path (``fp8 is not None``) and so needs Transformer Engine.
+                self._fail("recompute_modules", "layernorm needs Transformer Engine layers in megatron-core "
+                                                "(model.attention=te)")
+
+    @property
+    def recompute_module_list(self) -> list[str]:
+        return [x.strip() for x in self.recompute_modules.split(",") if x.strip()]
 
     @property
     def head_dim(self) -> int:
@@ -443,6 +503,12 @@ class Recipe:
             raise RecipeError(
                 f"model.num_layers: {m.num_layers} layers do not split over parallel.pipeline={p.pipeline} stages"
             )
+        stage_layers = m.num_layers // p.pipeline
+        if m.recompute_num_layers is not None and m.recompute_num_layers > stage_layers:
+            raise RecipeError(
+                f"model.recompute_num_layers: {m.recompute_num_layers} is more than the {stage_layers} layers "
+                f"of a pipeline stage (model.num_layers={m.num_layers} / parallel.pipeline={p.pipeline})"
+            )
         if p.sequence_parallel and m.seq_length % p.tensor:
             raise RecipeError(
                 f"model.seq_length: {m.seq_length} does not split over parallel.tensor={p.tensor} "
@@ -522,6 +588,11 @@ class Recipe:
                 raise RecipeError(
                     "model.position_embedding: rope needs CUDA (megatron-core moves the rotary frequencies to "
                     "the GPU); use learned_absolute on CPU"
+                )
+            if self.model.recompute_granularity is not None:
+                raise RecipeError(
+                    f"model.recompute_granularity: {self.model.recompute_granularity} needs CUDA (megatron-core's "
+                    "checkpoint saves and restores the CUDA RNG state); use null on CPU"
                 )
         return dp, accumulation
 

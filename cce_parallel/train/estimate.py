@@ -14,6 +14,14 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
 - activations per layer and micro-batch, Korthikanti et al. (2022) with flash-style attention
   (no s² term): s·b·h·(10 + 24/tp) · 2 bytes, or s·b·h·34/tp with sequence parallelism; times the
   stage's layers and the micro-batches in flight (pp on the first stage under 1F1B). Approximate.
+  With model.recompute_granularity (``activation_bytes``):
+  - full: a recomputed layer keeps only its input, s·b·h · 2 bytes (/tp with sequence
+    parallelism); uniform keeps the input of each chunk of recompute_num_layers layers, block
+    recomputes recompute_num_layers layers of each stage and keeps the others whole; plus, once,
+    the activations of the unit being recomputed in the backward (a chunk, or one layer);
+  - selective mlp: drops the MLP's inner activations, s·b·h·16/tp · 2 bytes per layer;
+  - selective core_attn: drops nothing here, since flash-style attention keeps no s² scores (its
+    inputs Q, K, V stay saved); it pays off only with an attention that materializes them.
 - the loss layer of the last stage, per micro-batch of N = s·b tokens:
   megatron: the logits [N, V/tp] in fp32 and their gradient, 8·N·V/tp;
   CCE: its outputs' bounds ∇E [N, h] + ∇C [V/tp, h] in the compute dtype (plus a workspace of at
@@ -113,15 +121,13 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
     width = 2 if dtype == torch.bfloat16 else 4
     b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
     n_tokens = b * s
-    per_layer = s * b * h * 34 / p.tensor if p.sequence_parallel else s * b * h * (10 + 24 / p.tensor)
-    per_layer *= width / 2
     memory = []
     for index, stage in enumerate(stages):
         P = stage["params_local"]
         weights, grads = P * width, P * 4
         optimizer = P * (12 if width == 2 else 8) / (dp if p.distributed_optimizer else 1)
         in_flight = min(p.pipeline - index, accumulation) if p.pipeline > 1 else 1
-        activations = per_layer * stage["layers"] * in_flight
+        activations = activation_bytes(recipe, layers=stage["layers"], in_flight=in_flight, width=width)
         base = weights + grads + optimizer + activations
         last = index == p.pipeline - 1
         logits = 8 * n_tokens * vocab / p.tensor if last else 0
@@ -140,6 +146,26 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
     if not quiet:
         print(format_report(recipe, report))
     return report
+
+
+def activation_bytes(recipe: Recipe, *, layers: int, in_flight: int, width: int) -> float:
+    """Estimated activation bytes of a pipeline stage of `layers` layers with `in_flight`
+    micro-batches in flight, in a compute dtype of `width` bytes (see the module docstring)."""
+    m, p = recipe.model, recipe.parallel
+    sbh = recipe.train.micro_batch_size * m.seq_length * m.hidden_size * width / 2  # in units of 2 bytes
+    tp = p.tensor
+    per_layer = sbh * 34 / tp if p.sequence_parallel else sbh * (10 + 24 / tp)
+    layer_input = 2 * sbh / (tp if p.sequence_parallel else 1)
+    if m.recompute_granularity == "full":
+        n = min(m.recompute_num_layers, layers)
+        if m.recompute_method == "uniform":
+            kept, transient = -(-layers // n) * layer_input, n * per_layer
+        else:  # block
+            kept, transient = n * layer_input + (layers - n) * per_layer, per_layer if n else 0
+        return kept * in_flight + transient
+    if m.recompute_granularity == "selective" and "mlp" in m.recompute_module_list:
+        per_layer -= 16 * sbh / tp
+    return per_layer * layers * in_flight
 
 
 def _bytes(n: float) -> str:
@@ -183,9 +209,10 @@ def format_report(recipe: Recipe, r: dict) -> str:
             f"output layer {stage['output_layer']}"
         )
     lines.append("memory per rank (estimate):        " + "  ".join(f"stage {x['stage']:<8}" for x in r["memory"]))
+    recompute = f", {m.recompute_granularity} recompute" if m.recompute_granularity else ""
     for key, label in (
         ("weights", "weights"), ("grads", "gradients (fp32)"), ("optimizer", "Adam state"),
-        ("activations", "activations (approx.)"), ("loss_megatron", "loss layer, megatron: logits+grad fp32"),
+        ("activations", f"activations (approx.{recompute})"), ("loss_megatron", "loss layer, megatron: logits+grad fp32"),
         ("loss_cce", "loss layer, CCE: dE + dC bound"), ("total_megatron", "total with megatron loss"),
         ("total_cce", "total with CCE"),
     ):

@@ -86,6 +86,10 @@ def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, in
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=p.pipeline > 1,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
+        recompute_modules=m.recompute_module_list if m.recompute_granularity == "selective" else None,
     )
 
 
@@ -123,7 +127,11 @@ def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, dev
         share_embeddings_and_output_weights=m.tie_embeddings,
         position_embedding_type=m.position_embedding,
         rotary_base=m.rotary_base,
+        rope_scaling=m.rope_scaling_factor is not None,
+        rope_scaling_factor=m.rope_scaling_factor or 8.0,  # megatron's default, unused without scaling
     )
+    if m.scale_embeddings and model.pre_process:
+        model.embedding.register_forward_hook(_scale_by_sqrt_hidden)
     if loss.is_cce:
         use_cce(
             model,
@@ -135,6 +143,11 @@ def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, dev
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         )
     return model
+
+
+def _scale_by_sqrt_hidden(module, inputs, output):
+    """Gemma's input embedding scaling: embeddings · sqrt(h), the factor rounded to their dtype."""
+    return output * torch.tensor(output.shape[-1] ** 0.5, dtype=output.dtype)
 
 
 # -- sizes ---------------------------------------------------------------------------------------
