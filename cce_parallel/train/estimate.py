@@ -19,7 +19,6 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
     parallelism); uniform keeps the input of each chunk of recompute_num_layers layers, block
     recomputes recompute_num_layers layers of each stage and keeps the others whole; plus, once,
     the activations of the unit being recomputed in the backward (a chunk, or one layer);
-  - selective mlp: drops the MLP's inner activations, s·b·h·16/tp · 2 bytes per layer;
   - selective core_attn: drops nothing here, since flash-style attention keeps no s² scores (its
     inputs Q, K, V stay saved); it pays off only with an attention that materializes them.
 - the loss layer of the last stage, per micro-batch of N = s·b tokens:
@@ -163,8 +162,6 @@ def activation_bytes(recipe: Recipe, *, layers: int, in_flight: int, width: int)
         else:  # block
             kept, transient = n * layer_input + (layers - n) * per_layer, per_layer if n else 0
         return kept * in_flight + transient
-    if m.recompute_granularity == "selective" and "mlp" in m.recompute_module_list:
-        per_layer -= 16 * sbh / tp
     return per_layer * layers * in_flight
 
 

@@ -105,7 +105,7 @@ def test_dry_run_with_pipeline_and_megatron_loss():
 
 
 def test_dry_run_activations_shrink_with_recompute():
-    """--dry-run's activation estimate: full < selective mlp < none = selective core_attn (flash-style
+    """--dry-run's activation estimate: full < none = selective core_attn (flash-style
     attention keeps no s² scores), and full uniform keeps one layer input per chunk plus one chunk."""
     from cce_parallel.train.estimate import activation_bytes, dry_run
 
@@ -118,14 +118,12 @@ def test_dry_run_activations_shrink_with_recompute():
 
     none = activations()
     core_attn = activations("model.recompute_granularity=selective")
-    mlp = activations("model.recompute_granularity=selective", "model.recompute_modules=mlp")
     full = ["model.recompute_granularity=full", "model.recompute_method=uniform"]
     uniform1, uniform4 = activations(*full, "model.recompute_num_layers=1"), activations(*full, "model.recompute_num_layers=4")
     block = ["model.recompute_granularity=full", "model.recompute_method=block"]
     block2, block8 = activations(*block, "model.recompute_num_layers=2"), activations(*block, "model.recompute_num_layers=8")
     assert core_attn == none
     assert uniform1 == block8 < block2 < none  # block over all layers = uniform chunks of 1
-    assert uniform1 < mlp < none
     assert uniform1 < uniform4 < none
 
     recipe = load_recipe(path, base)
@@ -136,7 +134,6 @@ def test_dry_run_activations_shrink_with_recompute():
     assert uniform1 == pytest.approx(8 * layer_input + layer)
     assert uniform4 == pytest.approx(2 * layer_input + 4 * layer)
     assert block2 == pytest.approx(2 * layer_input + 6 * layer + layer)
-    assert mlp == pytest.approx(8 * (layer - 16 * sbh / tp))
     assert activation_bytes(recipe, layers=8, in_flight=3, width=2) == pytest.approx(3 * none)
 
 
@@ -233,7 +230,10 @@ def test_unknown_keys_and_wrong_types(raw, key):
         ({"model": {"recompute_granularity": "selective", "recompute_modules": "core_attn,moe"}},
          "model.recompute_modules"),
         ({"model": {"recompute_granularity": "selective", "recompute_modules": " , "}}, "model.recompute_modules"),
-        ({"model": {"recompute_granularity": "selective", "recompute_modules": "mlp,mlp"}}, "model.recompute_modules"),
+        ({"model": {"recompute_granularity": "selective", "recompute_modules": "core_attn,core_attn"}},
+         "model.recompute_modules"),
+        ({"model": {"recompute_granularity": "selective", "recompute_modules": "core_attn,mlp"}},
+         "model.recompute_modules"),
         ({"model": {"recompute_granularity": "selective", "recompute_modules": "layernorm"}},
          "model.recompute_modules"),
         ({"model": {"recompute_granularity": "partial"}}, "model.recompute_granularity"),
@@ -243,6 +243,11 @@ def test_unknown_keys_and_wrong_types(raw, key):
 )
 def test_inconsistent_sizes(raw, key):
     assert _error(raw).startswith(key)
+
+
+def test_selective_mlp_recompute_is_refused_with_its_reason():
+    message = _error({"model": {"recompute_granularity": "selective", "recompute_modules": "mlp"}})
+    assert message.startswith("model.recompute_modules: mlp is not supported") and "recompute_granularity=full" in message
 
 
 def test_world_size_mismatch():
@@ -279,7 +284,7 @@ def test_recompute_keys_are_valid_megatron_configs():
     for model in (
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
         {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
-        {"recompute_granularity": "selective", "recompute_modules": "core_attn, mlp"},
+        {"recompute_granularity": "selective", "recompute_modules": " core_attn"},
         {"recompute_granularity": "selective", "recompute_modules": "layernorm", "attention": "te"},
     ):
         config = transformer_config(recipe_from_dict({"model": model}), dtype=torch.float32, cpu_init=True)
