@@ -5,6 +5,7 @@ sharded checkpoint, the unsupported combinations are rejected naming the keys, a
 reports the sharded per-rank memory."""
 
 import pytest
+import torch
 
 from cce_parallel.config import RecipeError, load_recipe
 from tests.e2e.conftest import ROOT, base_overrides, kill_after_checkpoint, run_train
@@ -132,3 +133,43 @@ def test_kill_and_resume_is_bitwise(untied_runs, tiny_data, runs_dir):
     assert _column(resumed, "loss", steps) == _column(runs["torch"], "loss", steps)  # bitwise
     assert _column(resumed, "grad_norm", steps) == _column(runs["torch"], "grad_norm", steps)
     assert resumed["eval"][8]["val_loss"] == runs["torch"]["eval"][8]["val_loss"]
+
+
+# -- the CCE layer under FSDP --------------------------------------------------------------------
+
+
+def _tied_embedding_in_its_own_unit(rank, world_size, report):
+    from megatron.core import parallel_state
+
+    from cce_parallel.config import Recipe
+    from cce_parallel.train.engine import torch_fsdp
+    from cce_parallel.train.model import build_gpt, transformer_config
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    recipe = Recipe()
+    recipe.parallel.tensor = 1
+    config = transformer_config(recipe, dtype=torch.float32, cpu_init=True)
+    model = build_gpt(recipe, config, vocab_size=128, device="cpu")  # tied
+    recipe.model.tie_embeddings = False  # so torch_fsdp makes the embedding a unit of its own
+    chunk = torch_fsdp(recipe, model, config, "cpu")
+    s = recipe.model.seq_length
+    tokens = torch.randint(0, 128, (2, s))
+    report.started("forward")
+    try:
+        chunk(tokens, torch.arange(s).expand(2, s), None, labels=tokens)
+        report.result("error", None)
+    except ValueError as err:
+        report.result("error", str(err))
+    parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.distributed
+def test_cce_layer_rejects_an_fsdp_sharded_weight():
+    """A tied embedding resharded after its own unit's forward reaches the output layer as a DTensor
+    sharded over the data-parallel mesh; the layer must not take that mesh for the vocabulary's."""
+    from tests.dist import spawn
+
+    outcome = spawn(_tied_embedding_in_its_own_unit, 2)
+    assert outcome.ok, outcome.describe()
+    for message in outcome.merged()["error"].values():
+        assert message is not None and "the output weight is a DTensor" in message
