@@ -12,6 +12,13 @@ per state object, and ``meta.json``. The DCP state dict holds:
     rank{r}/optim/...               instead, with the distributed optimizer: every rank's shard
     rank{r}/rng/...                 every rank: numpy, torch (and CUDA + Megatron tracker) RNGs
 
+Under FSDP (``parallel.fsdp: torch``) the model and optimizer keys are the same, but every
+data-parallel rank writes its DTensor shards of them (DCP records each shard's offsets in the
+full tensor; data-parallel rank 0 writes the JSON). Loading builds the optimizer's state first
+(a step with zero gradients and learning rate 0), so that DCP loads into the live DTensor shards
+of the weights and Adam state. DCP reshards on load, so a DDP checkpoint resumes under FSDP and
+an FSDP one under DDP (same tp, pp, dp).
+
 Keys carry the rank coordinates because DCP treats equal keys on several ranks as one replicated
 value: the tensor-parallel shards of a parameter share its name.
 

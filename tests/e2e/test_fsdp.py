@@ -173,3 +173,20 @@ def test_cce_layer_rejects_an_fsdp_sharded_weight():
     assert outcome.ok, outcome.describe()
     for message in outcome.merged()["error"].values():
         assert message is not None and "the output weight is a DTensor" in message
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_switches_between_ddp_and_fsdp(untied_runs, tiny_data, runs_dir):
+    """A DDP checkpoint resumes under FSDP and an FSDP one under DDP (DCP reshards the full
+    tensors into the shards and back): steps 5-8 give the uninterrupted runs' losses."""
+    common, runs = untied_runs
+    steps = range(5, 9)
+    for saved, resumed in (("none", "torch"), ("torch", "none")):
+        name = f"fsdp-switch-{saved}-{resumed}"
+        checkpoint = runs_dir / f"fsdp-untied-{saved}" / "checkpoints" / "step_0000004"
+        done = run_train(base_overrides(runs_dir, tiny_data, name) + common
+                         + [f"parallel.fsdp={resumed}", f"checkpoint.resume={checkpoint}"])
+        assert "resumed from" in done.stdout
+        losses = _column(_read(runs_dir / name), "loss", steps)
+        assert losses == pytest.approx(_column(runs[resumed], "loss", steps), rel=1e-6)
