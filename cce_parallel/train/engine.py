@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from cce_parallel.config import Recipe
@@ -55,7 +56,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, config, *, device: str,
         from cce_parallel.train import cpu
 
         if recipe.parallel.fsdp == "torch":
-            chunk = torch_fsdp(recipe, model, config, device)
+            chunk = torch_fsdp(recipe, model, config)
             optimizer = cpu.LocalAdamW([chunk], recipe.optim, shard_group=chunk.process_group)
         else:
             chunk = cpu.LocalDDP(model)
@@ -98,7 +99,7 @@ def _megatron(recipe: Recipe, model, config, dtype):
     if dtype != torch.float32:
         model = Float16Module(config, model)
     if p.fsdp == "torch":
-        chunks = [torch_fsdp(recipe, model, config, "cuda")]
+        chunks = [torch_fsdp(recipe, model, config)]
     else:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -128,7 +129,7 @@ def _megatron(recipe: Recipe, model, config, dtype):
     return chunks, optimizer, get_forward_backward_func()
 
 
-def torch_fsdp(recipe: Recipe, model: torch.nn.Module, config, device: str):
+def torch_fsdp(recipe: Recipe, model: torch.nn.Module, config):
     """The model under megatron-core's TorchFullyShardedDataParallel: PyTorch FSDP2 over the
     data-parallel group, each parameter (a tensor-parallel shard) split along dim 0 across it.
 
@@ -142,10 +143,10 @@ def torch_fsdp(recipe: Recipe, model: torch.nn.Module, config, device: str):
 
     The CCE output layer needs nothing special: FSDP2 hands it the gathered weight as a plain
     tensor and reduce-scatters its .grad (gradient_accumulation_fusion is off, see model.py).
-    megatron's wrapper builds its device mesh for "cuda"; on CPU it is built for "cpu", the one
-    difference.
+    megatron's wrapper builds its device mesh for "cuda"; for a model on the CPU it is built for
+    "cpu", the one difference.
     """
-    from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron.core.distributed import TorchFullyShardedDataParallelConfig
     from megatron.core.distributed import torch_fully_sharded_data_parallel as wrapper_module
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -156,7 +157,7 @@ def torch_fsdp(recipe: Recipe, model: torch.nn.Module, config, device: str):
         units.add(LanguageModelEmbedding)
     fsdp_config = TorchFullyShardedDataParallelConfig()  # reductions in the parameters' dtype
     mesh_class = wrapper_module.DeviceMesh
-    if device != "cuda":
+    if next(model.parameters()).device.type == "cpu":
 
         class _MeshOnCPU:
             @staticmethod
@@ -165,9 +166,18 @@ def torch_fsdp(recipe: Recipe, model: torch.nn.Module, config, device: str):
 
         wrapper_module.DeviceMesh = _MeshOnCPU
     try:
-        return TorchFullyShardedDataParallel(config, fsdp_config, model, sub_modules_to_wrap=units)
+        return _TorchFSDP(config, fsdp_config, model, sub_modules_to_wrap=units)
     finally:
         wrapper_module.DeviceMesh = mesh_class
+
+
+class _TorchFSDP(TorchFullyShardedDataParallel):
+    """megatron-core's wrapper, whose finish_grad_sync in 0.16 does not take the force_all_reduce
+    that its own finalize_model_grads passes (0.19 adds it). FSDP2 reduce-scatters the gradients
+    in the backward: there is nothing to finish."""
+
+    def finish_grad_sync(self, force_all_reduce: bool = False):
+        pass
 
 
 def inner_optimizers(optimizer) -> list:

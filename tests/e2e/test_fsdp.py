@@ -151,7 +151,7 @@ def _tied_embedding_in_its_own_unit(rank, world_size, report):
     config = transformer_config(recipe, dtype=torch.float32, cpu_init=True)
     model = build_gpt(recipe, config, vocab_size=128, device="cpu")  # tied
     recipe.model.tie_embeddings = False  # so torch_fsdp makes the embedding a unit of its own
-    chunk = torch_fsdp(recipe, model, config, "cpu")
+    chunk = torch_fsdp(recipe, model, config)
     s = recipe.model.seq_length
     tokens = torch.randint(0, 128, (2, s))
     report.started("forward")
@@ -190,3 +190,31 @@ def test_resume_switches_between_ddp_and_fsdp(untied_runs, tiny_data, runs_dir):
         assert "resumed from" in done.stdout
         losses = _column(_read(runs_dir / name), "loss", steps)
         assert losses == pytest.approx(_column(runs[resumed], "loss", steps), rel=1e-6)
+
+
+# -- the CUDA engine (megatron-core's optimizer, Float16Module) on CPU tensors ----------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_megatron_engine_fsdp_matches_ddp_and_resumes(tmp_path, tiny_data):
+    """engine._megatron with parallel.fsdp=torch, run on CPU tensors by megatron_engine_worker.py
+    (dp=2): in fp32 the CPU engine's DDP losses and gradient norms; in bf16 (megatron's
+    Float16OptimizerWithFloat16Params over the DTensor shards) megatron DDP's within bf16
+    tolerance; both resume bitwise from their sharded checkpoints."""
+    from tests.e2e.test_megatron_engine import _run
+
+    fp32 = _run("megatron", tmp_path / "fp32", tiny_data, "fp32", "parallel.tensor=1", "parallel.fsdp=torch")
+    ddp = _run("cpu", tmp_path / "cpu", tiny_data, "fp32", "parallel.tensor=1")
+    assert fp32["model"] == "_TorchFSDP" and fp32["optimizers"] == ["FP32Optimizer"]
+    assert [x[0] for x in fp32["losses"]] == pytest.approx([x[0] for x in ddp["losses"]], rel=1e-6)
+    assert [x[1] for x in fp32["losses"]] == pytest.approx([x[1] for x in ddp["losses"]], rel=1e-5)
+    assert fp32["resumed"] == fp32["losses"][3:]
+
+    bf16 = ["parallel.tensor=1", "train.global_batch_size=16", "loss.impl=megatron"]  # bf16 CCE needs a GPU
+    fsdp = _run("megatron", tmp_path / "bf16", tiny_data, "bf16", *bf16, "parallel.fsdp=torch")
+    ddp = _run("megatron", tmp_path / "bf16-ddp", tiny_data, "bf16", *bf16)
+    assert fsdp["optimizers"] == ["Float16OptimizerWithFloat16Params"]
+    assert [x[0] for x in fsdp["losses"]] == pytest.approx([x[0] for x in ddp["losses"]], rel=1e-3)
+    assert fsdp["losses"][4][0] < fsdp["losses"][0][0] - 0.3
+    assert fsdp["resumed"] == fsdp["losses"][3:]
