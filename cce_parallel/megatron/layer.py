@@ -255,7 +255,7 @@ class CCEOutputLayer(ColumnParallelLinear):
             weight = self._resolve_weight(weight, tp)
             if isinstance(weight, DTensor):
                 # Its mesh would be taken for the vocabulary's; an FSDP shard is not a vocabulary shard.
-                raise ValueError(
+                raise TypeError(
                     f"the output weight is a DTensor ({weight.placements} over {weight.device_mesh}): a parameter "
                     "FSDP sharded and did not gather for this forward (a tied embedding in an FSDP unit of its "
                     "own?); the layer needs this rank's whole tensor-parallel shard (keep a tied embedding in the "
