@@ -293,12 +293,30 @@ class ParallelConfig(Section):
     DistributedOptimizer; CUDA only)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the backward (megatron DDP buckets; CUDA only)."""
+    fsdp: Literal["none", "torch", "megatron"] = "none"
+    """Fully sharded data parallelism: parameters, gradients and optimizer state sharded over the
+    data-parallel ranks. ``none``: replicated (DDP, or ZeRO-1 with distributed_optimizer);
+    ``torch``: PyTorch FSDP2 through megatron-core's TorchFullyShardedDataParallel (CUDA and CPU),
+    composing with tensor (and sequence) parallelism and gradient accumulation; ``megatron``:
+    Megatron-FSDP, not supported by this job (rejected)."""
 
     def __post_init__(self):
         self._positive("tensor", "pipeline")
         self._positive("data", allow_none=True)
         if self.sequence_parallel and self.tensor == 1:
             self._fail("sequence_parallel", "needs parallel.tensor > 1")
+        if self.fsdp == "megatron":
+            self._fail("fsdp", "megatron (Megatron-FSDP) is not supported by the train job; use parallel.fsdp=torch")
+        if self.fsdp == "torch":
+            for name, value, why in (
+                ("distributed_optimizer", self.distributed_optimizer, "FSDP shards the optimizer state itself"),
+                ("overlap_grad_reduce", self.overlap_grad_reduce,
+                 "a megatron DDP option; FSDP overlaps its reduce-scatters itself"),
+                ("pipeline", self.pipeline > 1, "megatron-core's torch FSDP2 wrapper has no pipeline stages"),
+            ):
+                if value:
+                    shown = f"{self.pipeline}" if name == "pipeline" else "true"
+                    self._fail("fsdp", f"torch with parallel.{name}={shown} is not supported ({why})")
 
 
 @dataclass

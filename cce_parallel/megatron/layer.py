@@ -35,6 +35,7 @@ from numbers import Real
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
+from torch.distributed.tensor import DTensor
 
 from cce_parallel.ops import IMPLS
 from cce_parallel.ops.functional import resolve_logits_budget
@@ -252,6 +253,14 @@ class CCEOutputLayer(ColumnParallelLinear):
         sequence_parallel = bool(self.sequence_parallel) and tp > 1
         try:
             weight = self._resolve_weight(weight, tp)
+            if isinstance(weight, DTensor):
+                # Its mesh would be taken for the vocabulary's; an FSDP shard is not a vocabulary shard.
+                raise TypeError(
+                    f"the output weight is a DTensor ({weight.placements} over {weight.device_mesh}): a parameter "
+                    "FSDP sharded and did not gather for this forward (a tied embedding in an FSDP unit of its "
+                    "own?); the layer needs this rank's whole tensor-parallel shard (keep a tied embedding in the "
+                    "output layer's FSDP unit)"
+                )
             self._check_labels(input_, labels, tp if sequence_parallel else 1)
             if self.bias is not None and self.skip_bias_add:
                 raise ValueError(

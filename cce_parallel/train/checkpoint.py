@@ -12,6 +12,13 @@ per state object, and ``meta.json``. The DCP state dict holds:
     rank{r}/optim/...               instead, with the distributed optimizer: every rank's shard
     rank{r}/rng/...                 every rank: numpy, torch (and CUDA + Megatron tracker) RNGs
 
+Under FSDP (``parallel.fsdp: torch``) the model and optimizer keys are the same, but every
+data-parallel rank writes its DTensor shards of them (DCP records each shard's offsets in the
+full tensor; data-parallel rank 0 writes the JSON). Loading builds the optimizer's state first
+(a step with zero gradients and learning rate 0), so that DCP loads into the live DTensor shards
+of the weights and Adam state. DCP reshards on load, so a DDP checkpoint resumes under FSDP and
+an FSDP one under DDP (same tp, pp, dp).
+
 Keys carry the rank coordinates because DCP treats equal keys on several ranks as one replicated
 value: the tensor-parallel shards of a parameter share its name.
 
@@ -257,13 +264,14 @@ def _decode(doc, tensors: dict):
 
 
 def _templates(doc, out: dict) -> dict:
-    """Empty tensors for the tensor entries of doc, to load into (DCP loads in place)."""
+    """Empty tensors for the tensor entries of doc that out lacks, to load into (DCP loads in place)."""
     if isinstance(doc, list):
         for v in doc:
             _templates(v, out)
     elif isinstance(doc, dict):
         if "tensor" in doc:
-            out[doc["tensor"]] = torch.empty(doc["shape"], dtype=_dtype(doc["dtype"]))
+            if doc["tensor"] not in out:
+                out[doc["tensor"]] = torch.empty(doc["shape"], dtype=_dtype(doc["dtype"]))
         else:
             for v in doc.values():
                 _templates(v, out)
@@ -384,6 +392,33 @@ def _load_optimizer_state(optimizer, saved: list[dict]):
             param.copy_(value)
 
 
+def _is_fsdp(engine) -> bool:
+    """Whether the model is under FSDP (its parameters and optimizer state are DTensor shards)."""
+    from megatron.core.distributed import TorchFullyShardedDataParallel
+
+    return any(isinstance(chunk, TorchFullyShardedDataParallel) for chunk in engine.model)
+
+
+def _init_optimizer_state(optimizer):
+    """Create the state of optimizers that have taken no step yet (zero gradients, lr 0; Adam's
+    moments and step are then overwritten by the checkpoint), so that under FSDP their DTensor
+    shards exist for DCP to load into."""
+    for inner in inner_optimizers(optimizer):
+        if inner.state:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        lrs = [group["lr"] for group in inner.param_groups]
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        for group in inner.param_groups:
+            group["lr"] = 0.0
+        inner.step()
+        for group, lr in zip(inner.param_groups, lrs):
+            group["lr"] = lr
+        for param in params:
+            param.grad = None
+
+
 def _optim_key(optimizer, tp: int, pp: int, rank: int) -> str:
     return f"rank{rank}/optim" if _is_distributed_optimizer(optimizer) else f"tp{tp}_pp{pp}/optim"
 
@@ -414,11 +449,17 @@ def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, kee
 
     tensors, docs = {}, {}
     docs[f"rank{rank}/rng"] = _encode(_rng_state(), f"rank{rank}/rng", tensors)
-    if dp == 0:
+    # Under FSDP every data-parallel rank holds a shard of each model and optimizer tensor
+    # (DTensors: DCP writes each shard once, under the shared key); data-parallel rank 0 writes
+    # the JSON, which records the full shapes.
+    sharded = _is_fsdp(engine)
+    if dp == 0 or sharded:
         tensors.update(_model_state(engine, tp, pp))
-    if dp == 0 or _is_distributed_optimizer(engine.optimizer):
+    if dp == 0 or sharded or _is_distributed_optimizer(engine.optimizer):
         key = _optim_key(engine.optimizer, tp, pp, rank)
-        docs[key] = _encode(_optimizer_state(engine.optimizer), key, tensors)
+        doc = _encode(_optimizer_state(engine.optimizer), key, tensors)
+        if dp == 0 or not sharded:
+            docs[key] = doc
     for key, doc in docs.items():
         (tmp / _json_name(key)).write_text(json.dumps(doc))
     dcp.save(tensors, checkpoint_id=str(tmp))
@@ -474,6 +515,11 @@ def load(path, *, engine, layout: dict) -> dict:
     # DCP loads in place into a template of the same keys: the model's own state dict (every data-
     # parallel rank reads the copy data-parallel rank 0 wrote) and empty tensors shaped as saved.
     state = _model_state(engine, tp, pp)
+    if _is_fsdp(engine):
+        # DTensor shards to load into: the optimizer's own state (DCP loads in place), then the
+        # saved document's tensor entries resolve to them.
+        _init_optimizer_state(engine.optimizer)
+        _encode(_optimizer_state(engine.optimizer), optim_key, state)
     for doc in docs.values():
         _templates(doc, state)
     dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnly())

@@ -5,7 +5,9 @@ Each mirrors the piece it replaces (see engine.py), so that CPU runs train the s
 - ``LocalAdamW``: torch AdamW; weight decay off for biases and 1-D parameters (Megatron's
   ``wd_mult`` groups); the global gradient norm over the model-parallel group, counting
   parameters replicated across tensor-parallel ranks once (as ``param_is_not_tensor_parallel_duplicate``
-  does), and clipping by clip_grad / (norm + 1e-6);
+  does), and clipping by clip_grad / (norm + 1e-6); under FSDP (engine.torch_fsdp, which replaces
+  LocalDDP) the gradients are DTensor shards and their squares are summed over the data-parallel
+  group too;
 - ``forward_backward``: megatron's ``forward_backward_no_pipelining`` for a loss function that
   returns (loss sum, token count, report): each micro-batch loss is divided by its token count
   and by the number of micro-batches before its backward.
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from torch.distributed.tensor import DTensor
 
 from cce_parallel.config import OptimConfig
 
@@ -55,7 +58,7 @@ class LocalDDP(torch.nn.Module):
 class LocalAdamW:
     """torch AdamW with Megatron's weight-decay groups and model-parallel gradient clipping."""
 
-    def __init__(self, chunks: list, optim: OptimConfig):
+    def __init__(self, chunks: list, optim: OptimConfig, shard_group=None):
         decay, no_decay = [], []
         for chunk in chunks:
             for name, param in chunk.named_parameters():
@@ -71,6 +74,7 @@ class LocalAdamW:
         )
         self.clip_grad = optim.clip_grad
         self.mp_group = parallel_state.get_model_parallel_group()
+        self.shard_group = shard_group  # FSDP: the gradients are DTensors sharded over this group
 
     @property
     def param_groups(self):
@@ -87,7 +91,9 @@ class LocalAdamW:
         counted = [p.grad for p in params if param_is_not_tensor_parallel_duplicate(p)]
         square = torch.zeros((), dtype=torch.float32)
         for grad in counted:
-            square += grad.float().pow(2).sum()
+            square += _local(grad).float().pow(2).sum()
+        if self.shard_group is not None:
+            dist.all_reduce(square, group=self.shard_group)
         dist.all_reduce(square, group=self.mp_group)
         return square.sqrt().item()
 
@@ -104,6 +110,11 @@ class LocalAdamW:
                             p.grad.mul_(coeff)
         self.optimizer.step()
         return True, norm, None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (an FSDP gradient), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False, **_):

@@ -12,12 +12,17 @@ clip norms), so a CPU run (gloo; tensor and data parallelism, fp32) uses the sta
 by its token count and by the number of micro-batches, gradients averaged over data-parallel
 ranks, a global-norm clip that counts tensor-parallel duplicates once, and AdamW without weight
 decay on biases and norms. Both paths use megatron-core's ``OptimizerParamScheduler``.
+
+With ``parallel.fsdp: torch`` both paths wrap the model in megatron-core's
+``TorchFullyShardedDataParallel`` (PyTorch FSDP2, see ``torch_fsdp``) instead of DDP / LocalDDP;
+the optimizers then hold DTensor shards of the parameters and their states.
 """
 
 import dataclasses
 from collections.abc import Callable
 
 import torch
+from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from cce_parallel.config import Recipe
@@ -50,8 +55,13 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, config, *, device: str,
     else:
         from cce_parallel.train import cpu
 
-        chunk = cpu.LocalDDP(model)
-        chunks, optimizer, forward_backward = [chunk], cpu.LocalAdamW([chunk], recipe.optim), cpu.forward_backward
+        if recipe.parallel.fsdp == "torch":
+            chunk = torch_fsdp(recipe, model, config)
+            optimizer = cpu.LocalAdamW([chunk], recipe.optim, shard_group=chunk.process_group)
+        else:
+            chunk = cpu.LocalDDP(model)
+            optimizer = cpu.LocalAdamW([chunk], recipe.optim)
+        chunks, forward_backward = [chunk], cpu.forward_backward
         kind = "cpu"
     o = recipe.optim
     scheduler = OptimizerParamScheduler(
@@ -88,12 +98,15 @@ def _megatron(recipe: Recipe, model, config, dtype):
     model.cuda(torch.cuda.current_device())  # torch norms are built on the default device
     if dtype != torch.float32:
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        use_distributed_optimizer=p.distributed_optimizer,
-    )
-    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+    if p.fsdp == "torch":
+        chunks = [torch_fsdp(recipe, model, config)]
+    else:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            use_distributed_optimizer=p.distributed_optimizer,
+        )
+        chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,
@@ -114,6 +127,57 @@ def _megatron(recipe: Recipe, model, config, dtype):
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return chunks, optimizer, get_forward_backward_func()
+
+
+def torch_fsdp(recipe: Recipe, model: torch.nn.Module, config):
+    """The model under megatron-core's TorchFullyShardedDataParallel: PyTorch FSDP2 over the
+    data-parallel group, each parameter (a tensor-parallel shard) split along dim 0 across it.
+
+    FSDP units: every TransformerLayer, the embedding unless the output layer shares its weight,
+    and the root (the rest: final norm, output layer). A tied embedding stays in the root unit,
+    which FSDP gathers before the forward and keeps gathered until the backward: the output layer
+    then reads the whole weight, and both its gradients (lookup and loss) meet in one gradient
+    before the reduce-scatter. In a unit of its own it would be resharded after its forward, and
+    the loss would get the sharded DTensor. ColumnParallelLinear (megatron's default unit) is left
+    out: inside a unit of local layers it would be wrapped twice.
+
+    The CCE output layer needs nothing special: FSDP2 hands it the gathered weight as a plain
+    tensor and reduce-scatters its .grad (gradient_accumulation_fusion is off, see model.py).
+    megatron's wrapper builds its device mesh for "cuda"; for a model on the CPU it is built for
+    "cpu", the one difference.
+    """
+    from megatron.core.distributed import TorchFullyShardedDataParallelConfig
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as wrapper_module
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    units = {TransformerLayer, RotaryEmbedding}
+    if not recipe.model.tie_embeddings:
+        units.add(LanguageModelEmbedding)
+    fsdp_config = TorchFullyShardedDataParallelConfig()  # reductions in the parameters' dtype
+    mesh_class = wrapper_module.DeviceMesh
+    if next(model.parameters()).device.type == "cpu":
+
+        class _MeshOnCPU:
+            @staticmethod
+            def from_group(group, device_type):
+                return mesh_class.from_group(group, "cpu")
+
+        wrapper_module.DeviceMesh = _MeshOnCPU
+    try:
+        return _TorchFSDP(config, fsdp_config, model, sub_modules_to_wrap=units)
+    finally:
+        wrapper_module.DeviceMesh = mesh_class
+
+
+class _TorchFSDP(TorchFullyShardedDataParallel):
+    """megatron-core's wrapper, whose finish_grad_sync in 0.16 does not take the force_all_reduce
+    that its own finalize_model_grads passes (0.19 adds it). FSDP2 reduce-scatters the gradients
+    in the backward: there is nothing to finish."""
+
+    def finish_grad_sync(self, force_all_reduce: bool = False):
+        pass
 
 
 def inner_optimizers(optimizer) -> list:

@@ -11,6 +11,10 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
 - weights P · (2 in bf16, 4 in fp32); gradients P · 4 (Megatron reduces them in fp32);
 - Adam: P · 12 with bf16 (fp32 main weights + two moments), P · 8 with fp32, / dp with the
   distributed optimizer;
+- with parallel.fsdp (FSDP2): weights, gradients and Adam state / dp; the gradients are shards in
+  the compute dtype plus, with bf16, the optimizer's fp32 copies, P · (2 + 4) / dp; plus the
+  weights FSDP gathers, in the compute dtype: the root unit (final norm, output layer, and a tied
+  embedding, held from the forward to the backward) and two layers (one computing, one prefetched);
 - activations per layer and micro-batch, Korthikanti et al. (2022) with flash-style attention
   (no s² term): s·b·h·(10 + 24/tp) · 2 bytes, or s·b·h·34/tp with sequence parallelism; times the
   stage's layers and the micro-batches in flight (pp on the first stage under 1F1B). Approximate.
@@ -83,7 +87,14 @@ def _build_stage(recipe: Recipe, *, rank: int, world: int, device: str, dtype, v
         embedding = sum(
             prm.numel() for name, prm in model.named_parameters() if "word_embeddings" in name or "output_layer" in name
         )
+        # FSDP units (engine.torch_fsdp): each layer, the embedding unless tied, the root (the rest).
+        layers = model.decoder.layers
+        layer_params = max((sum(prm.numel() for prm in layer.parameters()) for layer in layers), default=0)
+        root = local - sum(prm.numel() for layer in layers for prm in layer.parameters())
+        if model.pre_process and not recipe.model.tie_embeddings:
+            root -= sum(prm.numel() for prm in model.embedding.parameters())
         return {"rank": rank, "params_local": local, "params_stage": stage, "embedding_local": embedding,
+                "fsdp_gathered": root + 2 * layer_params if p.fsdp != "none" else 0,
                 "layers": len(model.decoder.layers), "type": type(model).__name__,
                 "output_layer": type(model.output_layer).__name__ if model.post_process else None}
     finally:
@@ -125,6 +136,10 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
         P = stage["params_local"]
         weights, grads = P * width, P * 4
         optimizer = P * (12 if width == 2 else 8) / (dp if p.distributed_optimizer else 1)
+        if p.fsdp != "none":
+            weights = P * width / dp + stage["fsdp_gathered"] * width
+            grads = P * (width + (4 if width == 2 else 0)) / dp
+            optimizer = P * (12 if width == 2 else 8) / dp
         in_flight = min(p.pipeline - index, accumulation) if p.pipeline > 1 else 1
         activations = activation_bytes(recipe, layers=stage["layers"], in_flight=in_flight, width=width)
         base = weights + grads + optimizer + activations
@@ -185,6 +200,7 @@ def format_report(recipe: Recipe, r: dict) -> str:
             f"layout: world {r['world']} = tp {r['tp']} x pp {r['pp']} x dp {r['dp']}"
             f"{' + sequence parallel' if recipe.parallel.sequence_parallel else ''}"
             f"{' + distributed optimizer' if recipe.parallel.distributed_optimizer else ''}"
+            f"{f' + FSDP ({recipe.parallel.fsdp})' if recipe.parallel.fsdp != 'none' else ''}"
         ),
         (
             f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation {r['accumulation']} "
@@ -207,8 +223,11 @@ def format_report(recipe: Recipe, r: dict) -> str:
         )
     lines.append("memory per rank (estimate):        " + "  ".join(f"stage {x['stage']:<8}" for x in r["memory"]))
     recompute = f", {m.recompute_granularity} recompute" if m.recompute_granularity else ""
+    fsdp = recipe.parallel.fsdp != "none"
     for key, label in (
-        ("weights", "weights"), ("grads", "gradients (fp32)"), ("optimizer", "Adam state"),
+        ("weights", "weights (shard + gathered units)" if fsdp else "weights"),
+        ("grads", "gradients (shard)" if fsdp else "gradients (fp32)"),
+        ("optimizer", "Adam state (shard)" if fsdp else "Adam state"),
         ("activations", f"activations (approx.{recompute})"), ("loss_megatron", "loss layer, megatron: logits+grad fp32"),
         ("loss_cce", "loss layer, CCE: dE + dC bound"), ("total_megatron", "total with megatron loss"),
         ("total_cce", "total with CCE"),

@@ -78,7 +78,8 @@ def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, in
         use_cpu_initialization=cpu_init,
         perform_initialization=init,
         # Fusions: apex kernels for the weight-gradient accumulation, TE/jit ones for the rest.
-        gradient_accumulation_fusion=have_grad_accumulation_fusion() and not cpu_init,
+        # FSDP2 gives its parameters no main_grad buffer to accumulate into.
+        gradient_accumulation_fusion=have_grad_accumulation_fusion() and not cpu_init and p.fsdp == "none",
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
