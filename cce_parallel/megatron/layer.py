@@ -35,11 +35,11 @@ from numbers import Real
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
-from torch.distributed.tensor import DTensor
 
 from cce_parallel.ops import IMPLS
 from cce_parallel.ops.functional import resolve_logits_budget
 from cce_parallel.parallel import linear_cross_entropy
+from cce_parallel.parallel.dtensor import any_dtensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +253,7 @@ class CCEOutputLayer(ColumnParallelLinear):
         sequence_parallel = bool(self.sequence_parallel) and tp > 1
         try:
             weight = self._resolve_weight(weight, tp)
-            if isinstance(weight, DTensor):
+            if any_dtensor(weight):
                 # Its mesh would be taken for the vocabulary's; an FSDP shard is not a vocabulary shard.
                 raise TypeError(
                     f"the output weight is a DTensor ({weight.placements} over {weight.device_mesh}): a parameter "
