@@ -9,6 +9,7 @@ from cce_parallel.kernels.from_logits import (
     stats_from_logits,
     stats_slices,
 )
+from cce_parallel.kernels.scaled import scaled_copy
 
 __all__ = [
     "KernelConfig",
@@ -17,6 +18,7 @@ __all__ = [
     "dz_rows_in_place",
     "grad_scale",
     "probs_rows_in_place",
+    "scaled_copy",
     "stats_from_logits",
     "stats_slices",
 ]

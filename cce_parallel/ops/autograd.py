@@ -39,7 +39,6 @@ dropped inside the Function, before any kernel. This module never imports torch.
 parallel/ passes in the collectives.
 """
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -95,7 +94,6 @@ class LossConfig:
     need_dc: bool = True
     need_db: bool = True
     grad_scale: float = 1.0
-    fused: bool = True  # the one-pass path's single pass (False: its two-pass variant; see one_pass)
 
     @property
     def traits(self) -> ImplTraits:
@@ -255,15 +253,16 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     needed. See the module docstring.
 
     Per block the fp32 logits X are turned in place, by one pass, into W = exp(z - ref) (times the
-    softcap's 1 - tanh^2), ref being each token's target logit, which all ranks agree on. With
-    S = sum exp(z - ref) over the whole vocabulary and w = A / S per token, the logit gradient is
-    w W - B' [v == target] - U, so that dE = w (W C) - B' C[target] (fp32, exact scaling) and
-    dC += W^T (w E) - scatter of B' E over the targets (w E rounded to the input dtype once, as the
-    logit gradient itself is in plain PyTorch; the target term in fp32). A block whose exp(z - ref) overflows (a token
-    whose target trails the largest logit by more than ~88, or NaN inputs) takes the two-pass
-    variant instead: a statistics pass for lse, then the logit gradient in place. So do fp16 inputs
-    (W would pass fp16's range) and softcap with label smoothing (its uniform term gets the
-    softcap's factor per entry, which W cannot carry).
+    softcap's 1 - tanh^2), ref being a per-row offset the kernel picks within 20 below the row's
+    largest logit on this rank (so nothing overflows, and nothing needs checking on the host). The
+    ranks combine their offsets like partial maxima: with M the largest, r = exp(ref - M) and
+    S = sum r sum exp(z - ref) over the whole vocabulary, lse = M + log S and, per token,
+    w = A r / S, the logit gradient is w W - B' [v == target] - U, so that dE = w (W C) - B'
+    C[target] (fp32, exact scaling) and dC += W^T (w E) - scatter of B' E over the targets (w E
+    rounded to the input dtype once, as the logit gradient itself is in plain PyTorch; the target
+    term in fp32). fp16 inputs take the two-pass variant instead (W would pass fp16's range): a
+    statistics pass for lse, then the logit gradient in place; so does softcap with label smoothing
+    (its uniform term gets the softcap's factor per entry, which W cannot carry).
     """
     from cce_parallel import kernels
 
@@ -279,7 +278,7 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     db = torch.zeros(v, **f32) if cfg.need_db else None
     if n == 0 or v == 0:
         return lse, zt, zsum, de, dc, db
-    fused = cfg.fused and e.dtype != torch.float16 and not (cfg.softcap is not None and cfg.label_smoothing > 0)
+    fused = e.dtype != torch.float16 and not (cfg.softcap is not None and cfg.label_smoothing > 0)
     uniform = cfg.label_smoothing > 0
     # -U * sum over this rank's vocabulary of C (dE) and -sum_t U_t E_t on every row of dC (added once).
     csum = c.sum(dim=0, dtype=torch.float32) if fused and uniform and de is not None else None
@@ -288,25 +287,20 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     # largest shard.
     nt = token_block(n, max(v, cfg.block_vocab), cfg.logits_budget)
     buf = torch.empty((nt, _padded(v)), **f32)
-    overflow = torch.zeros((), device=e.device, dtype=torch.bool)
     for t0 in range(0, n, nt):
         rows = slice(t0, min(n, t0 + nt))
         x = buf[: rows.stop - t0, :v]
         e_b, t_b = e[rows], targets[rows]
         logits_into(x, e_b, c)
         if fused:
-            ref = comm.all_sum_(_target_logits(e_b, c, bias, t_b, cfg.softcap))
-            w_mat, s, zt_b, zs = kernels.probs_rows_in_place(
-                x, bias, t_b, ref, e.dtype, softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel
+            w_mat, ref, s, zt_b, zs = kernels.probs_rows_in_place(
+                x, bias, t_b, e.dtype, softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel
             )
-            packed = comm.all_sum_(torch.stack([s, zt_b] + ([zs] if zs is not None else [])))
-            lse[rows], zt[rows] = ref + torch.log(packed[0]), packed[1]
+            m, s_all, zt[rows], zs = _combine(ref, s, zt_b, zs, comm)
+            lse[rows] = m + torch.log(s_all)
             if zsum is not None:
-                zsum[rows] = packed[2]
-            # exp(z - ref) overflowed (a target trailing the top logit by more than ~88) or NaN:
-            # checked once, after the last block, so that no block waits for the host.
-            overflow |= ~torch.isfinite(lse[rows]).all()
-            _fused_products(w_mat, packed[0], e_b, c, t_b, cfg, lse[rows], zt[rows],
+                zsum[rows] = zs
+            _fused_products(w_mat, torch.exp(ref - m) / s_all, e_b, c, t_b, cfg, lse[rows], zt[rows],
                             de[rows] if de is not None else None, dc, db, csum, u_rows, first=t0 == 0)
             continue
         m, se, zt[rows], zs = _stats_of_block(x, bias, t_b, cfg, comm)
@@ -316,36 +310,20 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
         _two_pass_products(x, e_b, c, bias, t_b, cfg, lse[rows],
                            de[rows] if de is not None else None, dc, db, first=t0 == 0)
     del buf
-    if fused and bool(overflow):
-        return one_pass(e, c, bias, targets, dataclasses.replace(cfg, fused=False), comm)
     if u_rows is not None:
         dc.sub_(u_rows.to(dc.dtype)[None, :])
     return lse, zt, zsum, de, dc, db
 
 
-def _target_logits(e, c, bias, targets, softcap):
-    """[k] fp32 logit z of each token's target where this rank holds it, else 0 (the ranks' sum is
-    then every token's target logit)."""
-    v = c.shape[0]
-    here = (targets >= 0) & (targets < v)
-    idx = targets.clamp(0, v - 1)
-    x = (e.float() * c.index_select(0, idx).float()).sum(dim=1)
-    if bias is not None:
-        x = x + bias.index_select(0, idx).float()
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    return torch.where(here, x, 0.0)
-
-
-def _fused_products(w_mat, s, e, c, targets, cfg, lse, zt, de_rows, dc, db, csum, u_rows, *, first):
+def _fused_products(w_mat, r_over_s, e, c, targets, cfg, lse, zt, de_rows, dc, db, csum, u_rows, *, first):
     """dE rows, dC and dbias of one block from W (see one_pass): the gradient is w W - B' [target] - U
-    with w = A / S per token. The target term stays out of W: rounded into W's target entry it would
+    with w = A r / S per token (r_over_s). The target term stays out of W: rounded into W's target entry it would
     lose 2^-9 of what is, for an untrained model, most of each row's gradient. It is added in fp32
     from the target rows of C and E instead (index_put_ with accumulate is deterministic)."""
     k = e.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
     a, b, u = coefficients(torch.full((k,), cfg.grad_scale, **f32), None, lse, cfg)
-    w = a / s
+    w = a * r_over_s
     v = c.shape[0]
     here = (targets >= 0) & (targets < v)
     if cfg.softcap is not None:
@@ -354,13 +332,13 @@ def _fused_products(w_mat, s, e, c, targets, cfg, lse, zt, de_rows, dc, db, csum
     cols = targets.clamp(0, v - 1)
     if de_rows is not None:
         _mm_into(de_rows, w_mat, c, accumulate=False)
-        de_rows.mul_(w[:, None])
-        de_rows.sub_(b * c.index_select(0, cols).float())
+        de_rows.mul_(w[:, None]).addcmul_(b, c.index_select(0, cols), value=-1.0)
         if u is not None:
             de_rows.addr_(u, csum, alpha=-1.0)
     if dc is not None:
-        _mm_into(dc, w_mat.t(), (e.float() * w[:, None]).to(e.dtype), accumulate=not first)
-        dc.index_put_((cols,), (-b * e.float()).to(dc.dtype), accumulate=True)
+        # Products in fp32, each rounded once, in one elementwise pass (no fp32 copy of e).
+        _mm_into(dc, w_mat.t(), torch.mul(e, w[:, None], out=torch.empty_like(e)), accumulate=not first)
+        dc.index_put_((cols,), torch.mul(e, -b).to(dc.dtype), accumulate=True)
         if u is not None:
             u_rows.add_(u @ e.float())
     if db is not None:
@@ -547,12 +525,13 @@ def _warn_fallback():
         )
 
 
-def _uniform(g: torch.Tensor, keep) -> Optional[float]:
-    """The one value of g over the kept tokens if they all have the same one, else None (a host sync)."""
+def _uniform(g: torch.Tensor, keep):
+    """The one value of g over the kept tokens if they all have the same one, else None: a 0-dim
+    tensor when g is one number expanded (reduction mean or sum: no host sync), else a float."""
     if keep is not None and keep.numel() == 0:
         return 0.0  # nothing kept: zero gradients (even where "mean" made the upstream gradient NaN)
-    if g.numel() and g.stride(0) == 0:  # expanded from a scalar: reduction mean or sum
-        return g[0].item()
+    if g.numel() and g.stride(0) == 0:
+        return g[0]
     if keep is not None:
         g = g.index_select(0, keep)
     if g.numel() == 0:
@@ -561,13 +540,17 @@ def _uniform(g: torch.Tensor, keep) -> Optional[float]:
     return lo if lo == hi else None
 
 
-def _scaled(t, ratio: float, dtype):
-    """t * ratio in `dtype` (t itself when nothing changes), with no temporary of t's size."""
+def _scaled(t, ratio, dtype):
+    """t * ratio (a float or a 0-dim tensor) in `dtype`, with no temporary of t's size."""
     if t is None:
         return None
-    if ratio == 1.0:
-        return t if t.dtype == dtype else t.to(dtype)
-    return torch.mul(t, ratio, out=torch.empty(t.shape, device=t.device, dtype=dtype))
+    if isinstance(ratio, float):
+        if ratio == 1.0:
+            return t if t.dtype == dtype else t.to(dtype)
+        return torch.mul(t, ratio, out=torch.empty(t.shape, device=t.device, dtype=dtype))
+    from cce_parallel import kernels
+
+    return kernels.scaled_copy(t, ratio, dtype)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -627,7 +610,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             de = _scaled(de1, ratio, e_dtype)
             db = _scaled(db1, ratio, bias.dtype) if db1 is not None else None
             if dc1 is not None and ctx.c_main_grad is not None:
-                ctx.c_main_grad().add_(dc1, alpha=ratio)
+                if isinstance(ratio, float):
+                    ctx.c_main_grad().add_(dc1, alpha=ratio)
+                else:
+                    ctx.c_main_grad().addcmul_(dc1, ratio)
             dc = _scaled(dc1, ratio, c.dtype) if ctx.c_main_grad is None else None
         else:
             g_k = g if keep is None else g.index_select(0, keep)

@@ -89,17 +89,49 @@ def test_unused_lse_does_not_recompute(device, lean_calls):
 
 
 @pytest.mark.parametrize("budget", ["auto", 3 * 4 * V])
-def test_overflowing_block_takes_two_passes(budget, device):
-    """Logits so large that exp(z - target logit) overflows fp32: the forward redoes the blocks in
-    two passes (statistics, then the gradient) and stays exact."""
-    x = inputs(device, logit_std=400.0)
-    probe = x["e"].double() @ x["c"].double().t()
+@pytest.mark.parametrize("case", ["wide", "rising"])
+def test_large_logit_gaps_stay_exact(case, budget, device):
+    """Logits whose exp overflows fp32 from any fixed reference. "wide": targets trail their row's top
+    logit by more than 100. "rising": a bias that grows by 5 per vocabulary row, so every tile of the
+    one-pass kernel tops the last by more than its lift (20): the row's reference rises tile by tile
+    and the W already written is rescaled each time."""
+    if case == "wide":
+        x = inputs(device, logit_std=400.0)
+    else:
+        x = inputs(device)
+        x["bias"] = (5.0 * torch.arange(V, device=device, dtype=torch.float32)).requires_grad_()
+    probe = x["e"].double() @ x["c"].double().t() + x["bias"].double()
     gap = probe.max(dim=1).values - probe.gather(1, x["targets"].clamp(min=0)[:, None]).squeeze(1)
     assert gap.max() > 100, "the case must overflow exp(z - target logit)"
     tol = dict(TIGHT, de=2e-4, dc=2e-4, dbias=2e-4)  # logits of 1e3: fp32 sums of them lose ~1e-4
     check_against_oracle(
-        linear_cross_entropy, x, {"impl": IMPL, "reduction": "mean", "logits_budget": budget}, tol, label="overflow"
+        linear_cross_entropy, x, {"impl": IMPL, "reduction": "mean", "logits_budget": budget}, tol, label=case
     )
+
+
+def test_probs_rows_reference_follows_the_row_maximum(device):
+    """The in-place pass: W = exp(z - ref) for every column, ref within the lift below the row's
+    largest z, including rows whose maximum arrives only in a late tile."""
+    from cce_parallel import kernels
+
+    cfg = kernels.default_config(torch.device(device))
+    g = torch.Generator(device).manual_seed(3)
+    z = torch.randn(5, 300, device=device, generator=g, dtype=torch.float64) * 3
+    z[1] += torch.linspace(0, 400, 300, device=device, dtype=torch.float64)  # rising: lifts in every tile
+    z[2, -1] = 300.0  # one late outlier
+    z[3, 0] = 300.0  # the first tile holds the maximum
+    targets = torch.tensor([0, 299, 5, 7, 400], device=device)  # 400: held by another rank
+    x = z.float().clone()
+    w, ref, s, zt, _ = kernels.probs_rows_in_place(x, None, targets, torch.float32, softcap=None,
+                                                   need_zsum=False, config=cfg)
+    top = z.float().double().max(dim=1).values  # the kernel's z: fp32
+    assert bool(((top - ref.double()) >= 0).all()) and bool(((top - ref.double()) <= 20).all())
+    expect = torch.exp(z.float().double() - ref.double()[:, None])
+    assert rel_err(w.double(), expect) < 1e-6
+    assert rel_err(s.double(), expect.sum(dim=1)) < 1e-6
+    zf = z.float()
+    assert zt.tolist()[:4] == [zf[0, 0].item(), zf[1, 299].item(), zf[2, 5].item(), zf[3, 7].item()]
+    assert zt[4].item() == 0.0
 
 
 @pytest.mark.parametrize("impl", ["cce", "cce_kahan_full_c", "torch"])

@@ -1,0 +1,31 @@
+"""out = x * s in another dtype, s a one-element tensor on the device (no host sync).
+
+torch.mul(x, s, out=out) with a 0-dim CUDA s and a narrower out dtype takes PyTorch's generic
+casting loop, about twice the time of one read of x and one write of out (measured on an H100:
+2.6 ms against 1.2 ms for the V x D fp32 -> bf16 gradient of Gemma 2 2B). This is that one pass.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scaled_copy_kernel(X_ptr, Out_ptr, Scale_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(X_ptr + offs, mask=mask, other=0.0)
+    tl.store(Out_ptr + offs, (x * tl.load(Scale_ptr)).to(Out_ptr.dtype.element_ty), mask=mask)
+
+
+def scaled_copy(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous tensor x * scale in `dtype` (the product in fp32, rounded once)."""
+    if not x.is_contiguous() or x.dtype != torch.float32:
+        raise ValueError("x must be a contiguous fp32 tensor")
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != x.device:
+        raise ValueError("scale must be a one-element fp32 tensor on x's device")
+    out = torch.empty(x.shape, device=x.device, dtype=dtype)
+    if x.numel():
+        block = 4096 if x.is_cuda else 1024
+        _scaled_copy_kernel[(triton.cdiv(x.numel(), block),)](x, out, scale, x.numel(), BLOCK=block, num_warps=8)
+    return out
