@@ -6,7 +6,7 @@ together cover every option, while impl "torch" gets the full product. With CCE_
 CUDA machine the same tests run on the GPU with compiled kernels.
 
 Every path is checked: the one-pass path (gradients in the forward) in one token block and in
-several, its two-pass variant (softcap with label smoothing, and the overflow fallback), the
+several, its two-pass variant (softcap with label smoothing), the
 backward's three cases (one upstream number, per-token weights, a gradient through lse), and the
 lean path (logits_budget="lean"). Tolerances are relative Frobenius errors, as tight as fp32 allows.
 """
