@@ -199,6 +199,12 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
                     continue
 
                 def make_ours(impl=impl, budget=budget, upstream=upstream, fn=cce_parallel.linear_cross_entropy):
+                    # Each case starts as a fresh process does: a per-token-weighted backward makes later
+                    # reduction="none" calls take the lean path (ops/autograd.py), which must not carry
+                    # over from an earlier case into /masked.
+                    from cce_parallel.ops import autograd
+
+                    autograd.per_token_weights_seen = False
                     if upstream is None:
                         return lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)
                     return _per_token(
