@@ -43,15 +43,19 @@ def _compare_with_ddp(tiny_data, runs_dir, name: str, nproc: int, extra: list[st
             env=env,
         )
         losses[fsdp] = _losses(runs_dir / run, range(1, STEPS + 1))
-    worst = max(abs(f - d) / abs(d) for f, d in zip(losses["torch"], losses["none"]))
+    rel = [abs(f - d) / abs(d) for f, d in zip(losses["torch"], losses["none"])]
+    tail = [sum(run[-10:]) / 10 for run in (losses["torch"], losses["none"])]
+    tail_rel = abs(tail[0] - tail[1]) / tail[1]
     print(
-        f"\n{name}: FSDP vs DDP over {STEPS} steps: max relative loss difference {worst:.2e} "
-        f"(DDP {losses['none'][0]:.4f} -> {losses['none'][-1]:.4f})"
+        f"\n{name}: FSDP vs DDP over {STEPS} steps: relative loss difference max {max(rel[:10]):.2e} over "
+        f"steps 1-10, {max(rel):.2e} over all, {tail_rel:.2e} between the means of the last 10 "
+        f"(DDP {losses['none'][0]:.4f} -> {tail[1]:.4f}, FSDP -> {tail[0]:.4f})"
     )
-    # FSDP reduces bf16 gradients (DDP: fp32), so the curves drift apart slowly; a wrong gradient
-    # (a lost tied-embedding term, an unscaled shard) moves them by far more within 50 steps.
-    assert losses["torch"][0] == pytest.approx(losses["none"][0], rel=1e-3)
-    assert worst < 2e-2, list(zip(losses["torch"], losses["none"]))
+    # FSDP reduces bf16 gradients (DDP: fp32), so single steps drift apart chaotically (a few
+    # percent by step 50 at lr 1e-2); the curves must still overlay. A wrong gradient (a lost
+    # tied-embedding term, an unscaled shard) shows within the first steps, by far more.
+    assert max(rel[:10]) < 1e-3, list(zip(losses["torch"], losses["none"]))
+    assert tail_rel < 1e-2, list(zip(losses["torch"], losses["none"]))
 
 
 def test_fsdp_dp2_matches_ddp(tiny_data, runs_dir):
@@ -64,6 +68,30 @@ def test_fsdp_tp2_dp2_matches_ddp(tiny_data, runs_dir):
     _compare_with_ddp(
         tiny_data, runs_dir, "gpu-fsdp-tp2", 4, ["parallel.tensor=2", "train.global_batch_size=16"]
     )
+
+
+def test_fsdp_memory_per_rank(tiny_data, runs_dir):
+    """A 4-layer, hidden-1024 model (~50M parameters, so that weights, gradients and Adam state
+    outweigh the activations) on 2 GPUs: peak memory per rank falls from DDP to the distributed
+    optimizer (ZeRO-1) to FSDP2."""
+    from cce_parallel.train.metrics import read_metrics
+
+    _gpus(2)
+    env = _gpu_env()
+    model = ["model.num_layers=4", "model.hidden_size=1024", "model.num_attention_heads=8", "parallel.tensor=1"]
+    peaks = {}
+    for name, extra in (
+        ("DDP", ["parallel.fsdp=none"]),
+        ("DDP + distributed optimizer", ["parallel.fsdp=none", "parallel.distributed_optimizer=true"]),
+        ("FSDP2", ["parallel.fsdp=torch"]),
+    ):
+        run = "gpu-mem-" + name.split()[0].lower() + ("-zero1" if "optimizer" in name else "")
+        run_train(base_overrides(runs_dir, tiny_data, run) + GPU_RUN + model + extra + ["train.stop_at=4"],
+                  nproc=2, env=env)
+        peaks[name] = read_metrics(runs_dir / run / "metrics.jsonl")["train"][4]["peak_mem_max"]
+    print("\npeak memory per rank (max over 2 ranks), 4 steps: "
+          + ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in peaks.items()))
+    assert peaks["FSDP2"] < peaks["DDP + distributed optimizer"] < peaks["DDP"], peaks
 
 
 def test_fsdp_kill_and_resume(tiny_data, runs_dir):
