@@ -192,7 +192,10 @@ def _probs_rows_kernel(
                 pm = mask_n[:, None] & (prev < V)[None, :]
                 w_prev = tl.load(g_ptr + g_row[:, None] + prev[None, :], mask=pm, other=0.0).to(tl.float32)
                 tl.store(g_ptr + g_row[:, None] + prev[None, :], (w_prev * factor[:, None]).to(G_DTYPE), mask=pm)
-        p = tl.exp(tl.where(m, z - ref[:, None], float("-inf")))  # 0 outside the rows and columns
+        # 0 outside the rows and columns; ref is -inf only while every z so far is -inf (a bias of
+        # -inf masking vocabulary rows), whose exp must be 0, not NaN.
+        ref_f = tl.where(ref == float("-inf"), 0.0, ref)
+        p = tl.exp(tl.where(m, z - ref_f[:, None], float("-inf")))
         s_run += tl.sum(p, axis=1)
         zt_run += tl.sum(tl.where((rows[None, :] == tgt[:, None]) & m, z, 0.0), axis=1)
         if NEED_ZSUM:

@@ -109,6 +109,29 @@ def test_large_logit_gaps_stay_exact(case, budget, device):
     )
 
 
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_minus_inf_bias_masks_rows_of_the_vocabulary(budget, device):
+    """A bias of -inf removes vocabulary rows (here the first 150, several kernel tiles, so that a
+    row's first tiles hold no finite logit at all): the loss and gradients equal the call on the
+    remaining rows, and those rows get zero gradients."""
+    x = inputs(device)
+    cut = 150
+    x["targets"] = torch.where(x["targets"] >= 0, x["targets"] % (V - cut) + cut, x["targets"])
+    bias = x["bias"].detach().clone()
+    bias[:cut] = float("-inf")
+    options = {"impl": IMPL, "reduction": "mean", "logits_budget": budget}
+    e, c = x["e"].detach().clone().requires_grad_(), x["c"].detach().clone().requires_grad_()
+    loss = linear_cross_entropy(e, c, x["targets"], bias=bias, **options)
+    loss.backward()
+    e2, c2 = x["e"].detach().clone().requires_grad_(), x["c"][cut:].detach().clone().requires_grad_()
+    want = linear_cross_entropy(e2, c2, x["targets"] - cut * (x["targets"] >= 0), bias=bias[cut:], **options)
+    want.backward()
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert rel_err(e.grad, e2.grad) < 1e-6
+    assert rel_err(c.grad[cut:], c2.grad) < 1e-6
+    assert not c.grad[:cut].any()
+
+
 def test_probs_rows_reference_follows_the_row_maximum(device):
     """The in-place pass: W = exp(z - ref) for every column, ref within the lift below the row's
     largest z, including rows whose maximum arrives only in a late tile."""
