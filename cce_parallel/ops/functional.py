@@ -251,7 +251,8 @@ def sharded_linear_cross_entropy(
         grad_scale=grad_scale,
     )
     # Appendix B of the paper: ignored tokens never reach the kernels (the Function drops them).
-    keep_idx = None if n_keep == t2.shape[0] else torch.nonzero(keep).squeeze(1)
+    # (nonzero_static: the count is known, so no second wait for the GPU)
+    keep_idx = None if n_keep == t2.shape[0] else torch.nonzero_static(keep, size=n_keep).squeeze(1)
     # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
