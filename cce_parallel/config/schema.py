@@ -243,9 +243,10 @@ class LossConfig(Section):
     label_smoothing: float = 0.0
     """Label smoothing over the full padded vocabulary (CCE impls only)."""
     logits_budget: int | Literal["auto", "lean"] = "auto"
-    """Bytes of fp32 logits per token block when the loss computes its gradients in the forward (the
-    one-pass path, three logit-sized GEMMs): ``auto`` (2 GiB), a number of bytes, or ``lean`` / 0
-    (recompute the logits in the backward: four GEMMs, about 100 MB above ∇E + ∇C) (CCE impls only)."""
+    """Bytes of the logits buffer per token block when the loss computes its gradients in the forward
+    (the one-pass path, three logit-sized GEMMs; logits in the input dtype, fp32 for fp16): ``auto``
+    (2 GiB), a number of bytes, or ``lean`` / 0 (recompute the logits in the backward: four GEMMs,
+    about 100 MB above ∇E + ∇C) (CCE impls only)."""
     kernel_config: dict[str, int] = field(default_factory=dict)
     """Overrides of the CCE kernels' launch settings (fields of ``cce_parallel.kernels.KernelConfig``,
     checked when the run starts), exported as ``CCE_PARALLEL_KERNEL_CONFIG`` unless that variable

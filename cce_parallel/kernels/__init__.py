@@ -5,10 +5,10 @@ from cce_parallel.kernels.from_logits import (
     dz_from_logits,
     dz_rows_in_place,
     grad_scale,
-    probs_rows_in_place,
     stats_from_logits,
     stats_slices,
 )
+from cce_parallel.kernels.probs_gemm import logits_probs
 from cce_parallel.kernels.scaled import scaled_copy
 
 __all__ = [
@@ -17,7 +17,7 @@ __all__ = [
     "dz_from_logits",
     "dz_rows_in_place",
     "grad_scale",
-    "probs_rows_in_place",
+    "logits_probs",
     "scaled_copy",
     "stats_from_logits",
     "stats_slices",

@@ -14,10 +14,13 @@ class KernelConfig:
     """Block sizes and chunk budgets of the Triton passes around the library GEMMs.
 
     One-pass path (ops/autograd.py; the default whenever gradients are needed): per block of
-    tokens, the fp32 logits over the whole local vocabulary sit in a buffer of the caller's
-    `logits_budget`; _stats_from_logits_kernel reads them once for the statistics, and
-    _dz_rows_kernel turns them into the logit gradient in place, rows_block_n rows per program,
-    rows_block_v columns per step, rows_num_warps warps.
+    tokens, the fused GEMM (kernels/probs_gemm.py) writes the softmax weights over the whole local
+    vocabulary into a buffer of the caller's `logits_budget`, in probs_block_n x probs_block_v
+    tiles, probs_block_d deep, probs_num_warps warps, probs_num_stages pipeline stages, over
+    probs_programs persistent programs (one per SM). Its variant for fp16 (and softcap with label
+    smoothing) keeps fp32 logits there: _stats_from_logits_kernel reads them once for the
+    statistics, and _dz_rows_kernel turns them into the logit gradient in place, rows_block_n rows
+    per program, rows_block_v columns per step, rows_num_warps warps.
 
     Lean path (logits_budget=0, and the fallback when the upstream gradient is not uniform over the
     tokens): the forward's fp32 logit chunks hold at most fwd_chunk_bytes, the backward's chunk of
@@ -42,12 +45,19 @@ class KernelConfig:
     rows_block_n: int = 1
     rows_block_v: int = 2048
     rows_num_warps: int = 4
+    probs_block_n: int = 128
+    probs_block_v: int = 256
+    probs_block_d: int = 64
+    probs_num_warps: int = 8
+    probs_num_stages: int = 4
+    probs_programs: int = 132
 
     def __post_init__(self):
         for name, value in self.__dict__.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        for name in ("fwd_block_n", "fwd_block_v", "bwd_block_n", "bwd_block_v", "rows_block_v"):
+        for name in ("fwd_block_n", "fwd_block_v", "bwd_block_n", "bwd_block_v", "rows_block_v", "probs_block_n",
+                     "probs_block_v", "probs_block_d"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
@@ -60,6 +70,8 @@ class KernelConfig:
 INTERPRETER_CONFIG = KernelConfig(
     fwd_block_n=16, fwd_block_v=64, fwd_programs=8, bwd_block_n=16, bwd_block_v=64, bwd_num_warps=4,
     bwd_workspace_bytes=6000, fwd_chunk_bytes=6000, dense_min_cols=64, rows_block_n=2, rows_block_v=64,
+    probs_block_n=16, probs_block_v=32, probs_block_d=16, probs_num_warps=4, probs_num_stages=1,
+    probs_programs=3,
 )
 
 
@@ -88,6 +100,8 @@ def default_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
         cfg = INTERPRETER_CONFIG
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        cfg = replace(KernelConfig(), fwd_programs=4 * sms)
+        cfg = replace(KernelConfig(), fwd_programs=4 * sms, probs_programs=sms)
+        if dtype == torch.float32:
+            cfg = replace(cfg, probs_block_d=32, probs_num_stages=2)  # fp32 operands: 4 stages overflow shared memory
     text = os.environ.get(_ENV_OVERRIDE)
     return replace(cfg, **_env_override(text)) if text else cfg

@@ -11,21 +11,15 @@ the budget); these kernels then make one pass over it:
   _dz_from_logits_kernel, grid (cdiv(N, BLOCK_N), cdiv(Vc, BLOCK_V)): the loss gradient w.r.t. the
       logits, dz = A p - B [v == target] - U (times the softcap's 1 - tanh^2), p = exp(z - lse),
       written in the input dtype to a separate workspace (the two-pass "lean" backward).
-  _probs_rows_kernel, grid (cdiv(N, BLOCK_N),): the one-pass path's single pass over a block of
-      tokens: p' = exp(z - ref), written IN PLACE over the logits as W = p' (times the softcap's
-      1 - tanh^2), and per row ref, sum p', z at the target and sum z. ref is the largest logit
-      seen so far, raised only when a tile's maximum passes it by REF_LIFT (then the row's W so far
-      is rescaled), so exp never overflows and no statistics pass is needed first. The caller turns
-      W into the logit gradient by per-row scalars (dz = A W / sum p' - B [v == target]).
   _dz_rows_kernel, grid (cdiv(N, BLOCK_N),): the same dz, written IN PLACE over the fp32 logits
-      (the one-pass path): row n's gradient, in the gradient dtype, takes the first bytes of row
-      n's own logits, so the buffer serves as both and the GEMMs read dz with row stride
-      stride_xn * 4 / itemsize. Each program walks its rows left to right, so a store only
+      (the one-pass path's variant for fp16, and for softcap with label smoothing): row n's
+      gradient, in the gradient dtype, takes the first bytes of row n's own logits, so the buffer
+      serves as both and the GEMMs read dz with row stride stride_xn * 4 / itemsize. Each program walks its rows left to right, so a store only
       overwrites logits that this program has already read (see the kernel for why that holds).
 
-Why: the logit GEMM runs at the library's throughput (~690 TFLOP/s on an H200, against ~430 for
-fused Triton tiles), and the passes read 4 bytes per logit. Precision: products accumulate in fp32
-and z is never rounded before exp. Offsets are int64 (N * V passes 2**31 for large buffers).
+The one-pass path's usual case (bf16 and fp32) needs none of these: kernels/probs_gemm.py computes
+its logits and softmax weights in one GEMM. The passes here read 4 bytes per logit. Precision:
+products accumulate in fp32 and z is never rounded before exp. Offsets are int64 (N * V passes 2**31 for large buffers).
 """
 
 import torch
@@ -33,10 +27,6 @@ import triton
 import triton.language as tl
 
 from cce_parallel.kernels.tiles import activate, logit_grad, probs_tile
-
-# W = exp(z - ref) stays below exp(REF_LIFT) (~4.9e8): far from bf16's and fp32's overflow, and the
-# per-row weights A / sum W that the caller multiplies in stay far from their underflow.
-REF_LIFT = tl.constexpr(20.0)
 
 
 @triton.jit
@@ -136,79 +126,6 @@ def _dz_from_logits_kernel(
     dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
     dz = dz * tl.load(Scale_ptr)
     tl.store(WS_ptr + offs_n[:, None] * stride_wn + local[None, :], dz.to(WS_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _probs_rows_kernel(
-    X_ptr,  # [N, >= V] fp32 logits (without bias); read, then overwritten by W in G_DTYPE
-    Bias_ptr,  # [V] bias (dummy unless HAS_BIAS)
-    Tgt_ptr,  # [N] int64 target row in this shard, outside [0, V) when not here
-    Ref_ptr,  # [N] fp32 out: each row's exponent offset, W = exp(z - ref)
-    Sum_ptr,  # [N] fp32 out: sum_v exp(z - ref)
-    Zt_ptr,  # [N] fp32 out: z at the target (0 if not in this shard)
-    Zsum_ptr,  # [N] fp32 out: sum of z (dummy unless NEED_ZSUM)
-    softcap,
-    N,
-    V,
-    stride_xn,  # row stride of X in fp32 elements; W row n starts at the same byte
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    NEED_ZSUM: tl.constexpr,
-    G_DTYPE: tl.constexpr,
-    G_PER_F32: tl.constexpr,  # elements of G_DTYPE per fp32 element: 1 or 2
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    # In place, as in _dz_rows_kernel (see there why the barrier makes it safe). ref starts at the
-    # first tile's maximum, so every later W is below exp(REF_LIFT) and the row's largest W is >= 1.
-    # When a tile's maximum passes ref by more than REF_LIFT, ref becomes that maximum and the W
-    # this program already stored for the row (columns left of the tile) are multiplied by
-    # exp(old - new ref): that rewrite touches none of the bytes of the tile just read.
-    pid = tl.program_id(0).to(tl.int64)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    g_ptr = X_ptr.to(tl.pointer_type(G_DTYPE), bitcast=True)
-    g_row = offs_n * (stride_xn * G_PER_F32)
-    tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
-    ref = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s_run = tl.zeros([BLOCK_N], tl.float32)
-    zt_run = tl.zeros([BLOCK_N], tl.float32)
-    zsum_run = tl.zeros([BLOCK_N], tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        rows = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        mask_v = rows < V
-        m = mask_n[:, None] & mask_v[None, :]
-        x = tl.load(X_ptr + offs_n[:, None] * stride_xn + rows[None, :], mask=m, other=0.0)
-        z, t = activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
-        top = tl.max(tl.where(m, z, float("-inf")), axis=1)
-        lift = top > ref + REF_LIFT  # -inf + REF_LIFT is -inf: the first tile lifts every live row
-        factor = tl.exp(tl.where(lift, ref, 0.0) - tl.where(lift, top, 0.0))  # 1 where not lifted
-        s_run *= factor
-        ref = tl.where(lift, top, ref)
-        if tl.max(lift.to(tl.int32), axis=0) > 0:
-            tl.debug_barrier()  # this program's earlier stores of the row are visible to all its threads
-            for u0 in range(0, v0, BLOCK_V):
-                prev = u0 + tl.arange(0, BLOCK_V).to(tl.int64)
-                pm = mask_n[:, None] & (prev < V)[None, :]
-                w_prev = tl.load(g_ptr + g_row[:, None] + prev[None, :], mask=pm, other=0.0).to(tl.float32)
-                tl.store(g_ptr + g_row[:, None] + prev[None, :], (w_prev * factor[:, None]).to(G_DTYPE), mask=pm)
-        # 0 outside the rows and columns; ref is -inf only while every z so far is -inf (a bias of
-        # -inf masking vocabulary rows), whose exp must be 0, not NaN.
-        ref_f = tl.where(ref == float("-inf"), 0.0, ref)
-        p = tl.exp(tl.where(m, z - ref_f[:, None], float("-inf")))
-        s_run += tl.sum(p, axis=1)
-        zt_run += tl.sum(tl.where((rows[None, :] == tgt[:, None]) & m, z, 0.0), axis=1)
-        if NEED_ZSUM:
-            zsum_run += tl.sum(tl.where(m, z, 0.0), axis=1)
-        if HAS_SOFTCAP:
-            p = p * (1.0 - t * t)
-        tl.debug_barrier()
-        tl.store(g_ptr + g_row[:, None] + rows[None, :], p.to(G_DTYPE), mask=m)
-    tl.store(Ref_ptr + offs_n, ref, mask=mask_n)
-    tl.store(Sum_ptr + offs_n, s_run, mask=mask_n)
-    tl.store(Zt_ptr + offs_n, zt_run, mask=mask_n)
-    if NEED_ZSUM:
-        tl.store(Zsum_ptr + offs_n, zsum_run, mask=mask_n)
 
 
 @triton.jit
@@ -346,30 +263,6 @@ def dz_rows_in_place(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, grad_
         num_warps=config.rows_num_warps,
     )
     return g
-
-
-def probs_rows_in_place(x, bias, targets, grad_dtype, *, softcap, need_zsum, config):
-    """Overwrite the fp32 logits x [N, V] with W = exp(z - ref) (times 1 - tanh^2 with softcap) in
-    grad_dtype, in place; return (W, the [N, V] view of x's memory, ref, sum_v exp(z - ref), z at the
-    target, sum_v z or None), the last four fp32 [N]. ref is within REF_LIFT below each row's largest z."""
-    N, V = x.shape
-    if x.dtype != torch.float32 or x.stride(1) != 1:
-        raise ValueError("x must be fp32 with unit column stride")
-    g = _grad_view(x, grad_dtype)
-    f32 = dict(device=x.device, dtype=torch.float32)
-    alloc = torch.empty if N and V else torch.zeros  # the kernel writes every row
-    ref, s, zt = alloc(N, **f32), alloc(N, **f32), alloc(N, **f32)
-    zsum = alloc(N, **f32) if need_zsum else None
-    if N == 0 or V == 0:
-        return g, ref, s, zt, zsum
-    _probs_rows_kernel[(triton.cdiv(N, config.rows_block_n),)](
-        x, bias if bias is not None else s, targets, ref, s, zt, zsum if zsum is not None else s,
-        float(softcap) if softcap is not None else 1.0, N, V, x.stride(0),
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=need_zsum,
-        G_DTYPE=_TL_DTYPES[grad_dtype], G_PER_F32=4 // _itemsize(grad_dtype), BLOCK_N=config.rows_block_n,
-        BLOCK_V=config.rows_block_v, num_warps=config.rows_num_warps,
-    )
-    return g, ref, s, zt, zsum
 
 
 def _itemsize(dtype) -> int:

@@ -58,7 +58,7 @@ class CCEOptions:
     """Labels equal to it get zero loss and no gradient (Megatron masks with ``loss_mask`` instead;
     ``mask_labels`` folds that mask into the labels)."""
     logits_budget: str | int = "auto"
-    """Bytes of fp32 logits per token block of the one-pass loss: "auto", a number, or "lean" / 0
+    """Bytes of the logits buffer per token block of the one-pass loss: "auto", a number, or "lean" / 0
     (recompute the logits in the backward; least memory)."""
     make_vocab_size_divisible_by: int | None = None
     """If set, the layer's (padded) vocabulary must be a multiple of it times tp, as Megatron-LM's

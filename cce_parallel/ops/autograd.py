@@ -8,13 +8,15 @@ so that, for upstream gradients g (of loss) and h (of lse),
 
     d/dz_v = A p_v - B [v == target] - U,   A = g (1 + 2 z_loss lse) + h,  B = g (1 - ls),  U = g ls / V.
 
-Two paths, both built from library GEMMs (fp32 accumulation) and one-pass Triton kernels over
-their fp32 output (kernels/from_logits.py):
+Two paths, built from GEMMs that accumulate in fp32 (the library's, and one Triton GEMM with the
+softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logits
+(kernels/from_logits.py):
 
-- One pass (the default whenever a gradient is needed): tokens go in blocks whose fp32 logits over
-  the whole local vocabulary fit `logits_budget`. Per block: X = E_b C^T; the statistics (and,
-  under tensor parallelism, their all-reduce) give lse and the loss; X turns into the logit gradient
-  G in place, for g = grad_scale on every token; then dE_b = G C and dC += G^T E_b. That is three
+- One pass (the default whenever a gradient is needed): tokens go in blocks whose logits over the
+  whole local vocabulary fit `logits_budget` (in the input dtype). Per block: the fused GEMM writes
+  W = exp(z - ref) of X = E_b C^T and per-row sums; those (and, under tensor parallelism, their
+  all-reduce) give lse and the loss; per-row scalars make W the logit gradient G, for g =
+  grad_scale on every token; then dE_b = G C and dC += G^T E_b. That is three
   logit-sized GEMMs in all, the fewest an exact method needs. The backward only scales these by
   the upstream gradient g / grad_scale, which is exact when g is one number over the kept tokens
   (reduction mean or sum, or Megatron's loss_mask / count with the mask folded into ignore_index).
@@ -72,8 +74,8 @@ class LossConfig:
     """Non-tensor options of one call, resolved and validated (ops/functional.py builds it).
 
     vocab_size: the full vocabulary (label smoothing averages over it). use_triton: False for the
-    PyTorch path. logits_budget: bytes of fp32 logits per token block on the one-pass path, for the
-    largest shard of any rank (block_vocab).
+    PyTorch path. logits_budget: bytes of the one-pass path's logits buffer per token block, for
+    the largest shard of any rank (block_vocab).
     one_pass: take it (a gradient is needed, the budget is > 0, the Triton path). need_de / need_dc /
     need_db: which inputs need a gradient. grad_scale: the one-pass gradients are those of
     grad_scale * per-token loss (1 / kept tokens for reduction "mean", so that the usual upstream
@@ -161,9 +163,9 @@ def dense_blocks(n: int, v: int, budget: int, bytes_per_logit: int, block_v: int
     return rows, logit_chunk(rows, v, budget, bytes_per_logit, block_v)
 
 
-def token_block(n: int, v: int, budget: int) -> int:
-    """Tokens per one-pass block: equal blocks whose fp32 logits over v columns fit `budget`."""
-    most = max(1, budget // (4 * max(v, 1)))
+def token_block(n: int, v: int, budget: int, itemsize: int) -> int:
+    """Tokens per one-pass block: equal blocks whose v columns of itemsize bytes fit `budget`."""
+    most = max(1, budget // (itemsize * max(v, 1)))
     return max(1, -(-n // -(-max(n, 1) // most)))
 
 
@@ -252,17 +254,18 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     partial sum over this rank's vocabulary, dC and dbias fp32; None where not
     needed. See the module docstring.
 
-    Per block the fp32 logits X are turned in place, by one pass, into W = exp(z - ref) (times the
-    softcap's 1 - tanh^2), ref being a per-row offset the kernel picks within 20 below the row's
-    largest logit on this rank (so nothing overflows, and nothing needs checking on the host). The
+    Per block the fused GEMM writes W = exp(z - ref) (times the softcap's 1 - tanh^2) in the input
+    dtype, ref being a per-row offset it picks within 44.4 nats of the row's largest logit on this
+    rank (so nothing overflows, and nothing needs checking on the host). The
     ranks combine their offsets like partial maxima: with M the largest, r = exp(ref - M) and
     S = sum r sum exp(z - ref) over the whole vocabulary, lse = M + log S and, per token,
     w = A r / S, the logit gradient is w W - B' [v == target] - U, so that dE = w (W C) - B'
     C[target] (fp32, exact scaling) and dC += W^T (w E) - scatter of B' E over the targets (w E
     rounded to the input dtype once, as the logit gradient itself is in plain PyTorch; the target
-    term in fp32). fp16 inputs take the two-pass variant instead (W would pass fp16's range): a
-    statistics pass for lse, then the logit gradient in place; so does softcap with label smoothing
-    (its uniform term gets the softcap's factor per entry, which W cannot carry).
+    term in fp32). fp16 inputs take the two-pass variant instead (W would pass fp16's range): fp32
+    logits from the library GEMM, a statistics pass for lse, then the logit gradient in place; so
+    does softcap with label smoothing (its uniform term gets the softcap's factor per entry, which
+    W cannot carry).
     """
     from cce_parallel import kernels
 
@@ -285,16 +288,16 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     u_rows = torch.zeros(d, **f32) if fused and uniform and dc is not None else None
     # The same token blocks on every rank (each block's statistics are all-reduced), sized by the
     # largest shard.
-    nt = token_block(n, max(v, cfg.block_vocab), cfg.logits_budget)
-    buf = torch.empty((nt, _padded(v)), **f32)
+    buf_dtype = e.dtype if fused else torch.float32
+    nt = token_block(n, max(v, cfg.block_vocab), cfg.logits_budget, buf_dtype.itemsize)
+    buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
     for t0 in range(0, n, nt):
         rows = slice(t0, min(n, t0 + nt))
         x = buf[: rows.stop - t0, :v]
         e_b, t_b = e[rows], targets[rows]
-        logits_into(x, e_b, c)
         if fused:
-            w_mat, ref, s, zt_b, zs = kernels.probs_rows_in_place(
-                x, bias, t_b, e.dtype, softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel
+            w_mat, ref, s, zt_b, zs = kernels.logits_probs(
+                e_b, c, bias, t_b, x, softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel
             )
             m, s_all, zt[rows], zs = _combine(ref, s, zt_b, zs, comm)
             lse[rows] = m + torch.log(s_all)
@@ -303,6 +306,7 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
             _fused_products(w_mat, torch.exp(ref - m) / s_all, e_b, c, t_b, cfg, lse[rows], zt[rows],
                             de[rows] if de is not None else None, dc, db, csum, u_rows, first=t0 == 0)
             continue
+        logits_into(x, e_b, c)
         m, se, zt[rows], zs = _stats_of_block(x, bias, t_b, cfg, comm)
         lse[rows] = m + torch.log(se)
         if zsum is not None:
@@ -551,7 +555,7 @@ def _scaled(t, ratio, dtype):
         ratio = torch.full((), ratio, device=t.device, dtype=torch.float32)
     from cce_parallel import kernels
 
-    return kernels.scaled_copy(t, ratio.float(), dtype)
+    return kernels.scaled_copy(t, ratio, dtype)  # ratio is fp32: g_loss.float() / a float
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):

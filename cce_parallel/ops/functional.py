@@ -18,7 +18,7 @@ IMPLS = tuple(IMPL_TRAITS)
 REDUCTIONS = ("none", "sum", "mean")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# The one-pass path's fp32 logits per token block. Measured on an H100 and an H200 (README,
+# Bytes of the one-pass path's logits buffer per token block. Measured on an H100 (README,
 # "Performance"): larger blocks mean fewer, larger GEMMs and fewer passes over dC.
 DEFAULT_LOGITS_BUDGET = 2 << 30
 
@@ -161,9 +161,10 @@ def linear_cross_entropy(
         z_loss: adds z_loss * lse**2 per token.
         reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
         impl: one of IMPLS (see the README's table).
-        logits_budget: bytes of fp32 logits per token block when gradients are computed in the
-            forward (the one-pass path): "auto" (2 GiB), a number of bytes, or "lean" / 0 for the
-            two-pass path that recomputes the logits in the backward (about 100 MB above dE + dC).
+        logits_budget: bytes of the logits buffer per token block when gradients are computed in
+            the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
+            "auto" (2 GiB), a number of bytes, or "lean" / 0 for the two-pass path that
+            recomputes the logits in the backward (about 100 MB above dE + dC).
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
 

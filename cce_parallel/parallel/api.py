@@ -45,9 +45,10 @@ def linear_cross_entropy(
         z_loss: adds z_loss * lse**2 per token (lse over the full vocabulary).
         reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
         impl: one of IMPLS (see the README's table).
-        logits_budget: bytes of fp32 logits per token block when gradients are computed in the
-            forward (the one-pass path): "auto" (2 GiB), a number of bytes, or "lean" / 0 for the
-            two-pass path that recomputes the logits in the backward (about 100 MB above dE + dC).
+        logits_budget: bytes of the logits buffer per token block when gradients are computed in
+            the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
+            "auto" (2 GiB), a number of bytes, or "lean" / 0 for the two-pass path that
+            recomputes the logits in the backward (about 100 MB above dE + dC).
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
         tp_group: the tensor-parallel ProcessGroup whose ranks each hold a shard of c.

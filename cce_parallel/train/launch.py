@@ -31,6 +31,7 @@ from cce_parallel.config import Recipe
 CPU_KERNEL_CONFIG = {
     "fwd_block_n": 128, "fwd_block_v": 256, "fwd_programs": 1, "bwd_block_n": 128, "bwd_block_v": 256,
     "fwd_chunk_bytes": 64 << 20, "bwd_workspace_bytes": 64 << 20, "rows_block_n": 16, "rows_block_v": 1024,
+    "probs_block_n": 256, "probs_block_v": 1024, "probs_block_d": 128, "probs_programs": 1,
 }
 
 

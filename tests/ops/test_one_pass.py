@@ -92,9 +92,9 @@ def test_unused_lse_does_not_recompute(device, lean_calls):
 @pytest.mark.parametrize("case", ["wide", "rising"])
 def test_large_logit_gaps_stay_exact(case, budget, device):
     """Logits whose exp overflows fp32 from any fixed reference. "wide": targets trail their row's top
-    logit by more than 100. "rising": a bias that grows by 5 per vocabulary row, so every tile of the
-    one-pass kernel tops the last by more than its lift (20): the row's reference rises tile by tile
-    and the W already written is rescaled each time."""
+    logit by more than 100. "rising": a bias that grows by 5 per vocabulary row, so the fused GEMM's
+    tiles of one row get different references, and the row's W are brought to the largest by
+    powers of two."""
     if case == "wide":
         x = inputs(device, logit_std=400.0)
     else:
@@ -132,29 +132,81 @@ def test_minus_inf_bias_masks_rows_of_the_vocabulary(budget, device):
     assert not c.grad[:cut].any()
 
 
-def test_probs_rows_reference_follows_the_row_maximum(device):
-    """The in-place pass: W = exp(z - ref) for every column, ref within the lift below the row's
-    largest z, including rows whose maximum arrives only in a late tile."""
+def test_fused_gemm_references_are_exact_powers_of_two(device):
+    """The fused logits GEMM: W = exp(z - ref) for every column, ref a multiple of 128 log2 units
+    within 44.4 nats of the row's largest z, including rows whose tiles start with different
+    references (rising logits, a late outlier, all logits far below 0) that must be rescaled."""
     from cce_parallel import kernels
 
     cfg = kernels.default_config(torch.device(device))
     g = torch.Generator(device).manual_seed(3)
-    z = torch.randn(5, 300, device=device, generator=g, dtype=torch.float64) * 3
-    z[1] += torch.linspace(0, 400, 300, device=device, dtype=torch.float64)  # rising: lifts in every tile
+    z = torch.randn(6, 300, device=device, generator=g, dtype=torch.float64) * 3
+    z[1] += torch.linspace(0, 400, 300, device=device, dtype=torch.float64)  # a new reference every few tiles
     z[2, -1] = 300.0  # one late outlier
     z[3, 0] = 300.0  # the first tile holds the maximum
-    targets = torch.tensor([0, 299, 5, 7, 400], device=device)  # 400: held by another rank
-    x = z.float().clone()
-    w, ref, s, zt, _ = kernels.probs_rows_in_place(x, None, targets, torch.float32, softcap=None,
-                                                   need_zsum=False, config=cfg)
-    top = z.float().double().max(dim=1).values  # the kernel's z: fp32
-    assert bool(((top - ref.double()) >= 0).all()) and bool(((top - ref.double()) <= 20).all())
-    expect = torch.exp(z.float().double() - ref.double()[:, None])
-    assert rel_err(w.double(), expect) < 1e-6
-    assert rel_err(s.double(), expect.sum(dim=1)) < 1e-6
-    zf = z.float()
-    assert zt.tolist()[:4] == [zf[0, 0].item(), zf[1, 299].item(), zf[2, 5].item(), zf[3, 7].item()]
-    assert zt[4].item() == 0.0
+    z[4] -= 500.0  # every logit far below 0
+    z[5, 40:] -= 100.0  # tiles on both sides of a reference boundary
+    targets = torch.tensor([0, 299, 5, 7, 400, 41], device=device)  # 400: held by another rank
+    # e = z and c = the identity: the GEMM reproduces z exactly.
+    e = z.float().contiguous()
+    c = torch.eye(300, device=device, dtype=torch.float32)
+    out = torch.empty(6, 300, device=device, dtype=torch.float32)
+    w, ref, s, zt, _ = kernels.logits_probs(e, c, None, targets, out, softcap=None, need_zsum=False, config=cfg)
+    zf = e.double()
+    step = 128 / math.log2(math.e)
+    gap = zf.max(dim=1).values - ref.double()
+    assert bool((gap >= -step / 2).all()) and bool((gap < step / 2).all()), gap
+    k = ref.double() / step
+    assert (k - torch.round(k)).abs().max() < 1e-6, k
+    expect = torch.exp(zf - ref.double()[:, None])
+    # Each W to fp32 rounding of its exponent z * log2(e) (a few ulps of |z| * 1.44, the size of
+    # the fp32 logit's own rounding), wherever it is a normal fp32 number.
+    normal = expect > 1e-30
+    bound = 4 * 2.0**-24 * (2 + 1.5 * zf.abs())
+    assert bool(((w.double() - expect).abs() <= bound * expect)[normal].all())
+    for row in range(6):
+        assert rel_err(s[row].double(), expect[row].sum()) < 2e-6 * (1 + zf[row].abs().max())
+    assert zt.tolist()[:4] == [e[0, 0].item(), e[1, 299].item(), e[2, 5].item(), e[3, 7].item()]
+    assert zt[4].item() == 0.0 and zt[5].item() == e[5, 41].item()
+
+
+def test_fused_gemm_falls_back_to_tiles_that_fit(device, monkeypatch):
+    """Where the configured tiling needs more shared memory than the GPU has, the fused GEMM tries
+    fewer pipeline stages, then narrower tiles, gives the same result, and keeps what fit."""
+    from dataclasses import replace
+
+    from triton.runtime.errors import OutOfResources
+
+    from cce_parallel import kernels
+    from cce_parallel.kernels import probs_gemm
+
+    real, tried = probs_gemm._logits_probs_kernel, []
+
+    class SmallGPU:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tried.append((kwargs["BLOCK_V"], kwargs["num_stages"]))
+                if kwargs["BLOCK_V"] > 32 or kwargs["num_stages"] > 2:
+                    raise OutOfResources(1 << 20, 1 << 16, "shared memory")
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(probs_gemm, "_logits_probs_kernel", SmallGPU())
+    monkeypatch.setattr(probs_gemm, "_FITTING", {})
+    cfg = replace(kernels.default_config(torch.device(device)), probs_block_v=64, probs_num_stages=3)
+    g = torch.Generator(device).manual_seed(5)
+    e = torch.randn(20, 32, device=device, generator=g)
+    c = torch.randn(100, 32, device=device, generator=g) * 0.5
+    targets = torch.randint(0, 100, (20,), device=device, generator=g)
+    for expected in ([(64, 3), (64, 2), (32, 2)], [(32, 2)]):
+        tried.clear()
+        out = torch.empty(20, 100, device=device)
+        w, ref, s, zt, _ = kernels.logits_probs(e, c, None, targets, out, softcap=None, need_zsum=False, config=cfg)
+        assert tried == expected
+        z = e.double() @ c.double().t()
+        assert rel_err(w.double(), torch.exp(z - ref.double()[:, None])) < 1e-5
+        assert rel_err(s.double(), torch.exp(z - ref.double()[:, None]).sum(dim=1)) < 1e-5
 
 
 @pytest.mark.parametrize("impl", ["cce", "cce_kahan_full_c", "torch"])
@@ -241,7 +293,8 @@ def test_main_grad_must_match_c(device):
 def test_token_blocks_are_equal_and_fit_the_budget():
     for n in (1, 37, 1000, 8192, 65536):
         for v, budget in ((517, 6000), (256000, 2 << 30), (32064, 1 << 20), (128256, 1)):
-            rows = autograd.token_block(n, v, budget)
-            blocks = math.ceil(n / rows)
-            assert rows >= 1 and (blocks - 1) * rows < n <= blocks * rows
-            assert rows == 1 or rows * v * 4 <= budget
+            for itemsize in (2, 4):
+                rows = autograd.token_block(n, v, budget, itemsize)
+                blocks = math.ceil(n / rows)
+                assert rows >= 1 and (blocks - 1) * rows < n <= blocks * rows
+                assert rows == 1 or rows * v * itemsize <= budget

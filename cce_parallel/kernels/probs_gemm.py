@@ -1,0 +1,260 @@
+"""The one-pass path's logits GEMM with the softmax weights in its epilogue.
+
+For a block of tokens, X = E_b C^T (+ bias, softcap) never reaches memory: each program computes a
+[BLOCK_N, BLOCK_V] tile of fp32 logits z with tl.dot (fp32 accumulation) and stores
+
+    W = exp(z - ref_tile)  (times the softcap's 1 - tanh^2), in the input dtype,
+
+with the tile's sum of exp(z - ref_tile) (from the unrounded values), z at the target and the sum
+of z (label smoothing). ref_tile is a multiple of BUCKET log2 units, chosen from the tile's
+largest logit so that every W of the tile is below 2^64: ref = 0 for every tile whose largest
+logit lies within 44 nats of 0, which is every tile of a real model, so a row's tiles normally
+share one reference. Where they do not (huge logits or biases), _rows_kernel brings the row's other
+tiles to the row's largest reference by multiplying them by a power of two, which is exact in
+bf16 and fp32. Either way W is rounded once, as with the library GEMM and a separate pass, but
+the fp32 logits are neither written nor read back: that pass moved 6 bytes per logit.
+
+The caller gets, as before, W [N, V] and per row ref, sum_v exp(z - ref), z at the target and
+sum_v z, and turns W into the logit gradient by per-row scalars.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from cce_parallel.kernels.tiles import activate
+
+LOG2E = tl.constexpr(1.4426950408889634)
+BUCKET = 128.0  # log2 units between references: W of a tile's largest logit lies in [2^-64, 2^64)
+_BUCKET = tl.constexpr(BUCKET)
+# k of a tile without a finite logit (a bias of -inf masking its rows): below every real one.
+EMPTY = -1.0e6
+_EMPTY = tl.constexpr(EMPTY)
+
+
+@triton.jit
+def _logits_probs_kernel(
+    E,  # [N, D] hidden states: a TMA descriptor of [BLOCK_N, BLOCK_D] blocks if TMA, else a pointer
+    C,  # [V, D] classifier rows: a descriptor of [BLOCK_V, BLOCK_D] blocks if TMA, else a pointer
+    Bias_ptr,  # [V] bias (dummy unless HAS_BIAS)
+    Tgt_ptr,  # [N] int64 target row in this shard, outside [0, V) when not here
+    W_ptr,  # [N, V] out, row stride stride_w: exp(z - ref of the tile) in the input dtype
+    K_ptr,  # [N, T] fp32 out: each tile's reference in BUCKET log2 units (an integer)
+    S_ptr,  # [N, T] fp32 out: each tile's sum of exp(z - ref)
+    Zt_ptr,  # [N] fp32: z at the target, written by the tile that holds it (the caller zeroes it)
+    Zs_ptr,  # [N, T] fp32 out: each tile's sum of z (dummy unless NEED_ZSUM)
+    softcap,
+    N,
+    V,
+    D,
+    T,  # vocabulary tiles: cdiv(V, BLOCK_V)
+    stride_e,  # row strides of e and c (unused with TMA)
+    stride_c,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    NEED_ZSUM: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PROGRAMS: tl.constexpr,  # the grid: each program takes every PROGRAMS-th tile
+):
+    # Persistent: the loop over tiles is flattened with the loop over D, so the next tile's loads
+    # are in flight during this tile's epilogue. Consecutive tiles share a vocabulary tile and run
+    # over every token tile: the block's E stays in L2 and each classifier tile is read once.
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles_n * T, PROGRAMS, flatten=True):
+        pid_n = tile % tiles_n
+        pid_v = tile // tiles_n
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_n = offs_n < N
+        mask_v = offs_v < V
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        if TMA:
+            # The copy engine zero-fills past the edges of E, C and D.
+            for d0 in range(0, D, BLOCK_D):
+                a = E.load([pid_n * BLOCK_N, d0])
+                b = C.load([pid_v * BLOCK_V, d0])
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        else:
+            # Past the edges of E and C, the last row is read instead; those results are never stored.
+            e_ptrs = E + tl.minimum(offs_n, N - 1)[:, None] * stride_e + tl.arange(0, BLOCK_D)[None, :]
+            c_ptrs = C + tl.minimum(offs_v, V - 1)[None, :] * stride_c + tl.arange(0, BLOCK_D)[:, None]
+            for d0 in range(0, D, BLOCK_D):
+                if EVEN_D:
+                    a = tl.load(e_ptrs)
+                    b = tl.load(c_ptrs)
+                else:
+                    in_d = d0 + tl.arange(0, BLOCK_D) < D
+                    a = tl.load(e_ptrs, mask=in_d[None, :], other=0.0)
+                    b = tl.load(c_ptrs, mask=in_d[:, None], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                e_ptrs += BLOCK_D
+                c_ptrs += BLOCK_D
+
+        z, t = activate(acc, Bias_ptr, offs_v, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+        z = tl.where(mask_v[None, :], z, float("-inf"))
+        top = tl.max(z, axis=1)
+        k = tl.floor((top * LOG2E + 0.5 * _BUCKET) / _BUCKET)
+        k = tl.where(top > float("-inf"), k, _EMPTY)
+        p = tl.exp2(z * LOG2E - k[:, None] * _BUCKET)  # < 2^64; 0 outside the vocabulary
+        s = tl.sum(p, axis=1)
+        if HAS_SOFTCAP:
+            p = p * (1.0 - t * t)
+        tile_of_row = offs_n * T + pid_v
+        tl.store(W_ptr + offs_n[:, None] * stride_w + offs_v[None, :], p.to(W_ptr.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_v[None, :])
+        tl.store(K_ptr + tile_of_row, k, mask=mask_n)
+        tl.store(S_ptr + tile_of_row, s, mask=mask_n)
+        tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
+        here = mask_n & (tgt >= pid_v * BLOCK_V) & (tgt < pid_v * BLOCK_V + BLOCK_V)
+        zt = tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+        tl.store(Zt_ptr + offs_n, zt, mask=here)
+        if NEED_ZSUM:
+            tl.store(Zs_ptr + tile_of_row, tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1), mask=mask_n)
+
+
+@triton.jit
+def _rows_kernel(
+    W_ptr,  # [N, V] from _logits_probs_kernel; tiles below their row's reference are rescaled
+    K_ptr,  # [N, T] tile references (BUCKET log2 units)
+    S_ptr,  # [N, T] tile sums
+    Zs_ptr,  # [N, T] tile sums of z (dummy unless NEED_ZSUM)
+    Ref_ptr,  # [N] fp32 out: the row's reference in nats, W = exp(z - ref)
+    Sum_ptr,  # [N] fp32 out: sum_v exp(z - ref)
+    Zsum_ptr,  # [N] fp32 out: sum_v z (dummy unless NEED_ZSUM)
+    N,
+    V,
+    T,
+    stride_w,
+    NEED_ZSUM: tl.constexpr,
+    TILE_V: tl.constexpr,  # the GEMM's BLOCK_V
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < N
+    kmax = tl.full([BLOCK_R], _EMPTY, tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        m = mask_r[:, None] & (tiles < T)[None, :]
+        k = tl.load(K_ptr + rows[:, None] * T + tiles[None, :], mask=m, other=_EMPTY)
+        kmax = tl.maximum(kmax, tl.max(k, axis=1))
+    s = tl.zeros([BLOCK_R], tl.float32)
+    zsum = tl.zeros([BLOCK_R], tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        m = mask_r[:, None] & (tiles < T)[None, :]
+        idx = rows[:, None] * T + tiles[None, :]
+        k = tl.load(K_ptr + idx, mask=m, other=_EMPTY)
+        s += tl.sum(tl.load(S_ptr + idx, mask=m, other=0.0) * tl.exp2((k - kmax[:, None]) * _BUCKET), axis=1)
+        if NEED_ZSUM:
+            zsum += tl.sum(tl.load(Zs_ptr + idx, mask=m, other=0.0), axis=1)
+        # Tiles without a finite logit (k = EMPTY) hold zeros and need nothing.
+        if tl.max(tl.sum((m & (k > _EMPTY) & (k < kmax[:, None])).to(tl.int32), axis=1), axis=0) > 0:
+            # Rare: some row's tile has a lower reference; scale those tiles' W by a power of two.
+            for tj in range(t0, tl.minimum(t0 + BLOCK_T, T)):
+                kj = tl.load(K_ptr + rows * T + tj, mask=mask_r, other=_EMPTY)
+                low = mask_r & (kj > _EMPTY) & (kj < kmax)
+                if tl.max(low.to(tl.int32), axis=0) > 0:
+                    cols = tl.arange(0, TILE_V).to(tl.int64) + tj * TILE_V
+                    wm = low[:, None] & (cols < V)[None, :]
+                    ptrs = W_ptr + rows[:, None] * stride_w + cols[None, :]
+                    w = tl.load(ptrs, mask=wm, other=0.0).to(tl.float32)
+                    w = w * tl.exp2((kj - kmax) * _BUCKET)[:, None]
+                    tl.store(ptrs, w.to(W_ptr.dtype.element_ty), mask=wm)
+    ref = tl.where(kmax > _EMPTY, kmax * (_BUCKET / LOG2E), float("-inf"))
+    tl.store(Ref_ptr + rows, ref, mask=mask_r)
+    tl.store(Sum_ptr + rows, s, mask=mask_r)
+    if NEED_ZSUM:
+        tl.store(Zsum_ptr + rows, zsum, mask=mask_r)
+
+
+def logits_probs(e, c, bias, targets, out, *, softcap, need_zsum, config):
+    """W = exp(z - ref) (times 1 - tanh^2 with softcap) into out [N, V] (e's dtype, unit column
+    stride), z the logits of e [N, D] against c [V, D] (+ bias, softcap); return (out, ref, sum_v
+    exp(z - ref), z at the target (0 where another shard holds it), sum_v z or None), fp32 [N].
+    ref is a multiple of BUCKET / log2(e) nats within 44 nats of each row's largest z."""
+    n, v = e.shape[0], c.shape[0]
+    if out.shape != (n, v) or out.dtype != e.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{n}, {v}] {e.dtype} with unit column stride")
+    if e.stride(1) != 1 or c.stride(1) != 1:
+        raise ValueError("e and c must have unit column stride")
+    f32 = dict(device=e.device, dtype=torch.float32)
+    zt = torch.zeros(n, **f32)
+    alloc = torch.empty if n and v else torch.zeros
+    ref, s = alloc(n, **f32), alloc(n, **f32)
+    zsum = alloc(n, **f32) if need_zsum else None
+    if n == 0 or v == 0:
+        return out, ref, s, zt, zsum
+    key = (e.device, e.dtype)
+    bv, stages = _FITTING.get(key, (config.probs_block_v, config.probs_num_stages))
+    while True:
+        try:
+            tiles, k_t, s_t, zs_t = _launch(e, c, bias, targets, out, zt, s, softcap, need_zsum, config, bv, stages)
+            break
+        except OutOfResources:
+            bv, stages = _smaller(bv, stages)
+            _FITTING[key] = (bv, stages)
+    block_r = 16 if e.is_cuda else 128  # the interpreter: few programs
+    _rows_kernel[(triton.cdiv(n, block_r),)](
+        out, k_t, s_t, zs_t if need_zsum else s_t, ref, s, zsum if need_zsum else s, n, v, tiles, out.stride(0),
+        NEED_ZSUM=need_zsum, TILE_V=bv, BLOCK_R=block_r, BLOCK_T=64, num_warps=4,
+    )
+    return out, ref, s, zt, zsum
+
+
+# (device, dtype) -> (block_v, stages) of the fused GEMM, where the configured ones needed more
+# shared memory than the GPU has (GPUs other than the H100 / H200 the defaults were tuned on).
+_FITTING = {}
+
+
+def _smaller(block_v: int, stages: int):
+    """The next smaller tiling to try: fewer pipeline stages down to 2, then narrower tiles down
+    to 32 columns, then 1 stage; OutOfResources again when there is none."""
+    if stages > 2:
+        return block_v, stages - 1
+    if block_v > 32:
+        return block_v // 2, stages
+    if stages > 1:
+        return block_v, stages - 1
+    raise OutOfResources(0, 0, "shared memory (no smaller tiling of the fused logits GEMM)")
+
+
+def _launch(e, c, bias, targets, out, zt, dummy, softcap, need_zsum, config, bv, stages):
+    """One launch of _logits_probs_kernel with block_v = bv; returns (tiles, k_t, s_t, zs_t)."""
+    n, d = e.shape
+    v = c.shape[0]
+    bn, bd = config.probs_block_n, config.probs_block_d
+    tiles = triton.cdiv(v, bv)
+    f32 = dict(device=e.device, dtype=torch.float32)
+    k_t, s_t = torch.empty((n, tiles), **f32), torch.empty((n, tiles), **f32)
+    zs_t = torch.empty((n, tiles), **f32) if need_zsum else None
+    tma = _tma_usable(e, c)
+    if tma:
+        e_in, c_in = TensorDescriptor.from_tensor(e, [bn, bd]), TensorDescriptor.from_tensor(c, [bv, bd])
+    else:
+        e_in, c_in = e, c
+    programs = min(triton.cdiv(n, bn) * tiles, config.probs_programs)
+    _logits_probs_kernel[(programs,)](
+        e_in, c_in, bias if bias is not None else dummy, targets, out, k_t, s_t, zt, zs_t if need_zsum else dummy,
+        float(softcap) if softcap is not None else 1.0, n, v, d, tiles, e.stride(0), c.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=need_zsum, TMA=tma,
+        EVEN_D=d % bd == 0, PRECISION="ieee", BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PROGRAMS=programs,
+        num_warps=config.probs_num_warps, num_stages=stages,
+    )
+    return tiles, k_t, s_t, zs_t
+
+
+def _tma_usable(e, c) -> bool:
+    """The copy engine (Hopper and later, or the interpreter) takes e and c when their base
+    addresses and row strides are multiples of 16 bytes."""
+    if e.is_cuda and torch.cuda.get_device_capability(e.device) < (9, 0):
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (e, c))
