@@ -27,8 +27,10 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
     inputs Q, K, V stay saved); it pays off only with an attention that materializes them.
 - the loss layer of the last stage, per micro-batch of N = s·b tokens:
   megatron: the logits [N, V/tp] in fp32 and their gradient, 8·N·V/tp;
-  CCE: its outputs' bounds ∇E [N, h] + ∇C [V/tp, h] in the compute dtype (plus a workspace of at
-  most 64 MiB for the backward).
+  CCE, one-pass (the default): fp32 ∇E [N, h] and ∇C [V/tp, h], plus the larger of the logits
+  buffer (loss.logits_budget, at most N·V/tp logits in the compute dtype; fp32 for fp16) and the
+  gradients in the compute dtype that the backward returns;
+  CCE, lean: ∇E + ∇C in the compute dtype plus a workspace of at most 64 MiB.
 """
 
 import contextlib
@@ -145,7 +147,7 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
         base = weights + grads + optimizer + activations
         last = index == p.pipeline - 1
         logits = 8 * n_tokens * vocab / p.tensor if last else 0
-        cce = (n_tokens * h + vocab / p.tensor * h) * width if last else 0
+        cce = cce_loss_bytes(recipe, n_tokens, vocab / p.tensor, h, dtype) if last else 0
         memory.append({"stage": index, "weights": weights, "grads": grads, "optimizer": optimizer,
                        "activations": activations, "loss_megatron": logits, "loss_cce": cce,
                        "total_megatron": base + logits, "total_cce": base + cce})
@@ -160,6 +162,21 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
     if not quiet:
         print(format_report(recipe, report))
     return report
+
+
+def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype) -> float:
+    """Peak bytes of the CCE loss layer for n_tokens tokens over a vocabulary shard of `shard` rows
+    (see the module docstring)."""
+    from cce_parallel.ops.functional import resolve_logits_budget
+
+    width = torch.empty((), dtype=dtype).element_size()
+    outputs = (n_tokens * h + shard * h) * width
+    budget = resolve_logits_budget(recipe.loss.logits_budget)
+    if budget == 0:
+        return outputs + (64 << 20)
+    logit_width = 4 if dtype == torch.float16 else width
+    buffer = min(n_tokens, max(1, budget // (logit_width * shard))) * shard * logit_width
+    return (n_tokens * h + shard * h) * 4 + max(buffer, outputs)
 
 
 def activation_bytes(recipe: Recipe, *, layers: int, in_flight: int, width: int) -> float:

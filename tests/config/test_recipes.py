@@ -104,6 +104,20 @@ def test_dry_run_with_pipeline_and_megatron_loss():
     assert report["stages"][1]["output_layer"] == "ColumnParallelLinear"
 
 
+@pytest.mark.parametrize("budget, measured_mib", [("auto", 4358), ("lean", 1258)])
+def test_dry_run_cce_loss_memory_matches_a_measured_peak(budget, measured_mib):
+    """The estimate of the CCE loss layer against the peaks measured on an H100 for Gemma 2 2B's
+    shape (8,192 tokens, V = 256,000, h = 2,304, bf16): one-pass with the default budget
+    (benchmarks/results/h100_20261123_fused_ab.md) and lean (benchmarks/results/h100_20261123.md)."""
+    import torch
+
+    from cce_parallel.train.estimate import cce_loss_bytes
+
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"loss.logits_budget={budget}"])
+    estimate = cce_loss_bytes(recipe, 8192, 256000, 2304, torch.bfloat16) / 2**20
+    assert abs(estimate - measured_mib) < 0.05 * measured_mib, estimate
+
+
 def test_dry_run_activations_shrink_with_recompute():
     """--dry-run's activation estimate: full < none = selective core_attn (flash-style
     attention keeps no s² scores), and full uniform keeps one layer input per chunk plus one chunk."""
