@@ -336,6 +336,35 @@ def time_ms(
     return times
 
 
+def time_in_rounds(
+    calls: list, *, device, warmup: int, repeats: int, rounds: int, setup: Callable[[], None] | None = None
+) -> dict:
+    """Time several calls side by side: `rounds` rounds, each running every (key, fn) of `calls` in
+    turn (`warmup` untimed calls in the first round, one in the later ones), `repeats` timed calls
+    per key in all. A clock that drifts (a card heating up) then weighs on every key alike.
+
+    Returns {key: (times in ms, the exception that stopped the key or None)}; a key that failed is
+    not run again, and a fatal CUDA error stops everything.
+    """
+    out = {key: ([], None) for key, _ in calls}
+    per_round = [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
+    for i, n in enumerate(per_round):
+        for key, fn in calls:
+            times, failed = out[key]
+            if failed is not None:
+                continue
+            try:
+                times += time_ms(fn, device=device, warmup=warmup if i == 0 else 1, repeats=n, setup=setup)
+            except Exception as exc:  # noqa: BLE001 - the caller records it
+                out[key] = (times, exc)
+                if is_fatal_cuda_error(exc):
+                    return out
+            finally:
+                if setup is not None:
+                    setup()
+    return out
+
+
 def summarize_times(times: list[float]) -> dict:
     return {
         "median_ms": statistics.median(times),

@@ -3,8 +3,10 @@
 For each (shape, regime) this script builds bf16 inputs E [N, D], C [V, D] and targets [N], then
 for each method measures, in one process:
 
-- forward time and forward + backward time (median of --repeats after --warmup, CUDA events,
-  fresh gradients every iteration, reduction "mean");
+- forward time (median of --repeats after --warmup, CUDA events, fresh gradients every iteration,
+  reduction "mean"), and forward + backward time taken in --rounds rounds that run every method
+  in turn (the card's clocks drift by up to 20 % within a series of calls, so measuring the methods
+  one after another favoured whichever ran first);
 - peak memory above the inputs, for the forward alone and for forward + backward, next to the
   lower bound (the bytes of ∇E + ∇C);
 - achieved TFLOP/s, counting 2·N·V·D for the forward and 6·N·V·D for forward + backward
@@ -199,17 +201,27 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
                     continue
 
                 def make_ours(impl=impl, budget=budget, upstream=upstream, fn=cce_parallel.linear_cross_entropy):
-                    # Each case starts as a fresh process does: a per-token-weighted backward makes later
-                    # reduction="none" calls take the lean path (ops/autograd.py), which must not carry
-                    # over from an earlier case into /masked.
+                    # Each method and case runs as in a fresh process of its own: a per-token-weighted
+                    # backward makes later reduction="none" calls take the lean path (ops/autograd.py),
+                    # a process-wide switch that must not carry over into /masked (the methods take
+                    # turns in the timing rounds). So each call sets it as this method alone would
+                    # have: on for /weighted after its first call, off otherwise.
                     from cce_parallel.ops import autograd
 
-                    autograd.per_token_weights_seen = False
                     if upstream is None:
-                        return lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)
-                    return _per_token(
-                        lambda e, c, t: fn(e, c, t, impl=impl, reduction="none", logits_budget=budget), upstream
-                    )
+                        base = lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)  # noqa: E731
+                    else:
+                        base = _per_token(
+                            lambda e, c, t: fn(e, c, t, impl=impl, reduction="none", logits_budget=budget), upstream
+                        )
+                    calls = [0]
+
+                    def loss(e, c, t):
+                        autograd.per_token_weights_seen = upstream == "weighted" and calls[0] > 0
+                        calls[0] += 1
+                        return base(e, c, t)
+
+                    return loss
 
                 label = f"cce_parallel {impl}" + (f" @{budget_part}" if budget_part else "") + (
                     f", per-token loss {UPSTREAMS[upstream]}" if upstream else ""
@@ -228,11 +240,13 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
 # ----------------------------------------------------------------------------------------------
 
 
-def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, args, device) -> dict:
-    """Run every measurement of one method; record the first failure and keep what came before."""
+def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, args, device):
+    """Run every measurement of one method but its forward + backward time (interleaved_fwd_bwd
+    takes that); record the first failure and keep what came before. Returns (result, loss_fn or
+    None when it failed)."""
     res: dict = {"key": m.key, "label": m.label, "status": "ok"}
     if m.unavailable:
-        return {**res, "status": "unavailable", "error": m.unavailable}
+        return {**res, "status": "unavailable", "error": m.unavailable}, None
 
     def clear_grads():
         e.grad = None
@@ -252,7 +266,6 @@ def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, arg
             return loss
 
         flops_f = 2.0 * shape.N * shape.V * shape.D
-        flops_fb = 6.0 * shape.N * shape.V * shape.D
 
         # Accuracy first: it is also the first (compiling / autotuning) call.
         stage = "accuracy"
@@ -279,10 +292,6 @@ def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, arg
         res["fwd_mem_bytes"] = C.peak_bytes(fwd, device=device)
         clear_grads()
 
-        stage = "fwd+bwd"
-        times = C.time_ms(fwd_bwd, device=device, warmup=args.warmup, repeats=args.repeats, setup=clear_grads)
-        res["fwd_bwd"] = C.summarize_times(times)
-        res["fwd_bwd_tflops"] = flops_fb / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
         stage = "fwd+bwd memory"
         clear_grads()
         res["fwd_bwd_mem_bytes"] = C.peak_bytes(fwd_bwd, device=device)
@@ -296,9 +305,32 @@ def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, arg
             raise fatal from None
     finally:
         clear_grads()
-        fn = None
         C.free_memory(device)
-    return res
+    return res, (fn if res["status"] == "ok" else None)
+
+
+def interleaved_fwd_bwd(alive: list, e, c, t, shape: C.Shape, args, device, results: dict) -> None:
+    """Forward + backward time of every method in `alive` [(key, loss_fn)], side by side in
+    --rounds rounds (C.time_in_rounds), --repeats timed calls each; into results[key]["fwd_bwd"]."""
+
+    def clear_grads():
+        e.grad = None
+        c.grad = None
+
+    calls = [(key, lambda fn=fn: fn(e, c, t).backward()) for key, fn in alive]
+    timed = C.time_in_rounds(
+        calls, device=device, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds, setup=clear_grads
+    )
+    flops_fb = 6.0 * shape.N * shape.V * shape.D
+    for key, (times, exc) in timed.items():
+        res = results[key]
+        if exc is not None:
+            res.update(status="oom" if C.is_oom(exc) else "error", stage="fwd+bwd", error=C.short_error(exc))
+            if C.is_fatal_cuda_error(exc):
+                raise FatalCudaError(res["error"])
+        else:
+            res["fwd_bwd"] = C.summarize_times(times)
+            res["fwd_bwd_tflops"] = flops_fb / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,6 +400,7 @@ def run_case(case: Case, methods: list[Method], args, device, dtype, seed: int, 
 
     e.requires_grad_(True)
     c.requires_grad_(True)
+    alive = []
     for m in methods:
         if deadline is not None and time.monotonic() > deadline:
             out["methods"][m.key] = {
@@ -379,14 +412,25 @@ def run_case(case: Case, methods: list[Method], args, device, dtype, seed: int, 
             continue
         t1 = time.perf_counter()
         try:
-            res = measure_method(m, e, c, t, ref, mm, shape, args, device)
+            res, fn = measure_method(m, e, c, t, ref, mm, shape, args, device)
         except FatalCudaError as exc:
             out["methods"][m.key] = exc.result
             print(progress_line(case, exc.result), flush=True)
             raise
         res["wall_s"] = time.perf_counter() - t1
         out["methods"][m.key] = res
-        print(progress_line(case, res), flush=True)
+        if fn is not None:
+            alive.append((m.key, fn))
+    t1 = time.perf_counter()
+    try:
+        interleaved_fwd_bwd(alive, e, c, t, shape, args, device, out["methods"])
+    finally:
+        for key, _ in alive:
+            out["methods"][key]["wall_s"] += (time.perf_counter() - t1) / len(alive)
+        for m in methods:
+            if m.key in out["methods"]:
+                print(progress_line(case, out["methods"][m.key]), flush=True)
+        del alive
     del e, c, t, ref
     C.free_memory(device)
 
@@ -464,7 +508,9 @@ def render_markdown(data: dict) -> str:
     lines += [
         (
             f"- timing: median of {meta.get('repeats')} after {meta.get('warmup')} warm-up calls (and one "
-            "accuracy call), CUDA events (perf_counter on a CPU), fresh gradients each call, reduction 'mean'"
+            "accuracy call), CUDA events (perf_counter on a CPU), fresh gradients each call, reduction 'mean'; "
+            f"forward + backward in {meta.get('rounds', 1)} rounds over all methods, one warm-up call per "
+            "method in each later round"
         ),
         f"- FLOPs: {FLOP_CONVENTION}",
         f"- memory: {MEMORY_CONVENTION}",
@@ -845,6 +891,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--warmup", type=int, default=2, help="untimed calls before timing (after one untimed accuracy call)"
     )
     p.add_argument("--repeats", type=int, default=10, help="timed calls; the median is reported")
+    p.add_argument(
+        "--rounds", type=int, default=5,
+        help="forward + backward is timed in this many rounds over all methods, --repeats calls per method in all",
+    )
     p.add_argument("--no-errors", action="store_true", help="skip the fp32 reference and the error columns")
     p.add_argument("--stats-rows", type=int, default=1024, help="rows sampled for the softmax statistics")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -890,7 +940,7 @@ def render_only(args) -> int:
     for d in datas:
         if d.get("square_matmul"):
             merged["square_matmul"] = d["square_matmul"]
-        for k in ("repeats", "warmup"):
+        for k in ("repeats", "warmup", "rounds"):
             merged["meta"].setdefault(k, d["meta"].get(k))
     index: dict = {}
     for d in datas:  # later files win for the same (kind, shape, N, regime)
@@ -936,6 +986,7 @@ def main(argv=None) -> int:
         table = C.MODEL_SHAPES
         out_dir = Path(args.out) if args.out else C.REPO_ROOT / "benchmarks" / "results"
         torch.backends.cuda.matmul.allow_tf32 = False
+    args.rounds = max(1, min(args.rounds, args.repeats))
 
     shapes_arg = C.csv_list(args.shapes)
     shapes = [] if shapes_arg == ["none"] else [C.parse_shape(s, args.tokens, table) for s in shapes_arg]
@@ -957,6 +1008,7 @@ def main(argv=None) -> int:
         {
             "warmup": args.warmup,
             "repeats": args.repeats,
+            "rounds": args.rounds,
             "flop_convention": FLOP_CONVENTION,
             "memory_convention": MEMORY_CONVENTION,
             "regimes": {r: C.REGIMES[r] for r in dict.fromkeys(regimes + sweep_regimes)},

@@ -77,8 +77,9 @@ MEMORY_CONVENTION = (
 )
 TIME_CONVENTION = (
     "forward + backward, median of --repeats after --warmup and one untimed accuracy call, CUDA events "
-    "on each rank, fresh gradients each call, reduction 'mean'; the reported time is the slowest "
-    "rank of TP group 0"
+    "on each rank, fresh gradients each call, reduction 'mean', in --rounds rounds that run every "
+    "method in turn (one warm-up call per method in each later round); the reported time is the "
+    "slowest rank of TP group 0"
 )
 FLOP_CONVENTION = "per rank: 6·N·(V/t)·D FLOPs for forward + backward (no credit for recomputing logits)"
 
@@ -318,8 +319,9 @@ def allocated(device) -> int | None:
     return int(torch.cuda.memory_allocated(device))
 
 
-def measure(m: Method, fn_builder: Callable, x: Inputs, args, d: Dist, flops: float) -> dict:
-    """One method on this rank; every failure is recorded with its stage (fatal CUDA errors raise)."""
+def measure(m: Method, fn_builder: Callable, x: Inputs, args, d: Dist):
+    """One method on this rank but its forward + backward time (timed_rounds takes that); every
+    failure is recorded with its stage (fatal CUDA errors raise). Returns (result, loss_fn or None)."""
     res: dict = {"status": "ok"}
     e, c, t = x.e, x.c, x.t
 
@@ -360,12 +362,6 @@ def measure(m: Method, fn_builder: Callable, x: Inputs, args, d: Dist, flops: fl
             )
             res["fwd"] = C.summarize_times(times)
 
-        stage = "fwd+bwd"
-        times = C.time_ms(fwd_bwd, device=d.device, warmup=args.warmup, repeats=args.repeats, setup=clear)
-        res["fwd_bwd"] = C.summarize_times(times)
-        res["times_ms"] = times
-        res["tflops"] = flops / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
-
         stage = "fwd+bwd memory"
         clear()
         res["peak_bytes"] = C.peak_bytes(fwd_bwd, device=d.device)
@@ -389,9 +385,36 @@ def measure(m: Method, fn_builder: Callable, x: Inputs, args, d: Dist, flops: fl
             raise FatalCudaError(res["error"]) from None
     finally:
         clear()
-        fn = None
         C.free_memory(d.device)
-    return res
+    return res, (fn if res["status"] == "ok" else None)
+
+
+def timed_rounds(alive: list, x: Inputs, args, d: Dist, flops: float) -> None:
+    """Forward + backward time of every method in `alive` [(result, loss_fn)] on this rank, side by
+    side in --rounds rounds (C.time_in_rounds), --repeats timed calls each. Every rank runs the same
+    sequence (the methods' collectives must meet), so `alive` must hold the same methods on every rank."""
+    e, c, t = x.e, x.c, x.t
+
+    def clear():
+        e.grad = None
+        c.grad = None
+
+    calls = [(i, lambda fn=fn: fn(e, c, t).backward()) for i, (_, fn) in enumerate(alive)]
+    timed = C.time_in_rounds(
+        calls, device=d.device, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds, setup=clear
+    )
+    fatal = None
+    for i, (times, exc) in timed.items():
+        res = alive[i][0]
+        if exc is not None:
+            res.update(status="oom" if C.is_oom(exc) else "error", stage="fwd+bwd", error=C.short_error(exc))
+            fatal = fatal or (res["error"] if C.is_fatal_cuda_error(exc) else None)
+        else:
+            res["times_ms"] = times
+            res["fwd_bwd"] = C.summarize_times(times)
+            res["tflops"] = flops / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
+    if fatal is not None:
+        raise FatalCudaError(fatal)
 
 
 def combine(per_rank: list[dict], t: int) -> dict:
@@ -547,8 +570,10 @@ def run_tp(
                 e_loc = e_sb.clone()
                 ref_ge = ref[1] if ref is not None else None
             x = Inputs(e_loc.requires_grad_(True), c_shard, targets, ref[0] if ref else None, ref_ge, ref_gc)
+            entries, alive = {}, []
             for m in methods:
                 entry = {"key": m.key, "label": m.label}
+                entries[m.key] = entry
                 past = deadline is not None and time.monotonic() > deadline
                 if any_rank(past, d):
                     entry.update(status="skipped", error="time budget")
@@ -568,7 +593,7 @@ def run_tp(
                         return make_loss_fn(m, t, sp, D, V, group, mcore, dtype, d.device)
 
                     try:
-                        mine = measure(m, builder, x, args, d, case["flops_per_rank"])
+                        mine, fn = measure(m, builder, x, args, d)
                     except FatalCudaError as exc:
                         # The context is gone: no more collectives. Rank 0 saves what it has; the other
                         # ranks stop at their next collective (--nccl-timeout) and torchrun ends them.
@@ -578,6 +603,29 @@ def run_tp(
                             save()
                         raise
                     mine["wall_s"] = time.perf_counter() - t1
+                    entry["_mine"] = mine
+                    # Timed in rounds only where every rank has it (their collectives must meet).
+                    if not any_rank(fn is None, d):
+                        alive.append((mine, fn))
+            t1 = time.perf_counter()
+            try:
+                timed_rounds(alive, x, args, d, case["flops_per_rank"])
+            except FatalCudaError:
+                if d.lead:  # what rank 0 measured; no collectives any more
+                    for key, entry in entries.items():
+                        mine = entry.pop("_mine", None)
+                        if mine is not None:
+                            entry.update({k: v for k, v in mine.items() if k in ("status", "stage", "error")})
+                        case["methods"][key] = entry
+                    save()
+                raise
+            for mine, _ in alive:
+                mine["wall_s"] += (time.perf_counter() - t1) / len(alive)
+            del alive
+            for m in methods:
+                entry = entries[m.key]
+                mine = entry.pop("_mine", None)
+                if mine is not None:
                     per_rank = gather_objects(mine, d)
                     entry.update(combine(per_rank, t))
                     entry["wall_s"] = max(r.get("wall_s", 0.0) for r in per_rank)
@@ -937,6 +985,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--warmup", type=int, default=3, help="untimed calls before timing (after the accuracy call)"
     )
     p.add_argument("--repeats", type=int, default=10, help="timed calls; the median is reported")
+    p.add_argument(
+        "--rounds", type=int, default=5,
+        help="forward + backward is timed in this many rounds over all methods, --repeats calls per method in all",
+    )
     p.add_argument("--fwd", action="store_true", help="also time the forward alone")
     p.add_argument("--no-errors", action="store_true", help="skip the fp32 reference and the error columns")
     p.add_argument("--stats-rows", type=int, default=1024, help="rows sampled for the softmax statistics")
@@ -987,6 +1039,7 @@ def main(argv=None) -> int:
             args.stats_rows = 32
     else:
         torch.backends.cuda.matmul.allow_tf32 = False
+    args.rounds = max(1, min(args.rounds, args.repeats))
     if args.shape not in C.MODEL_SHAPES and args.vocab is None:
         raise SystemExit(
             f"unknown --shape {args.shape!r}; known: {', '.join(C.MODEL_SHAPES)} (or --vocab/--hidden)"
@@ -1036,6 +1089,7 @@ def main(argv=None) -> int:
             "sp": args.sp_list,
             "warmup": args.warmup,
             "repeats": args.repeats,
+            "rounds": args.rounds,
             "config": {
                 "N": shape.N,
                 "s": args.seq,
