@@ -12,6 +12,13 @@ import argparse
 import os
 import shlex
 import sys
+import time
+
+# Under torchrun every rank meets the same bad recipe, and the first rank to exit makes torchrun
+# stop the others, rank 0 included, perhaps before it has printed. So the other ranks wait this
+# long before they report an error themselves: rank 0 speaks first (and torchrun then stops them),
+# and an error that only another rank meets is still reported.
+QUIET_RANK_WAIT_S = 20.0
 
 
 def parse_args(argv):
@@ -80,14 +87,18 @@ def main(argv=None) -> int:
         finally:
             trainer.close()
     except RecipeError as err:
-        if not quiet:
-            print(f"cce-train: invalid recipe: {err}", file=sys.stderr)
+        _report("recipe", err, quiet)
         return 2
     except DataError as err:
-        if not quiet:
-            print(f"cce-train: invalid data: {err}", file=sys.stderr)
+        _report("data", err, quiet)
         return 2
     return 0
+
+
+def _report(what: str, err: Exception, quiet: bool) -> None:
+    if quiet:
+        time.sleep(QUIET_RANK_WAIT_S)
+    print(f"cce-train: invalid {what}: {err}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

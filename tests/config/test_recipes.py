@@ -276,6 +276,25 @@ def test_world_size_mismatch():
     assert Recipe().check_world(4, "cpu") == (2, 1)
 
 
+def test_every_rank_reports_a_bad_recipe(monkeypatch, capsys):
+    """Under torchrun a rank other than 0 waits for rank 0 to report (the first rank to exit stops
+    the rest), then reports the error itself: one that only it met is not lost."""
+    pytest.importorskip("yaml")
+    import cce_parallel.train.__main__ as cli
+
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+    argv = ["--set", "train.steps=10", "train.stop_at=11"]
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(argv) == 2
+    assert waits == [cli.QUIET_RANK_WAIT_S]
+    assert capsys.readouterr().err == "cce-train: invalid recipe: train.stop_at: 11 is past train.steps=10\n"
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(argv) == 2
+    assert waits == [cli.QUIET_RANK_WAIT_S]  # rank 0 does not wait
+    assert capsys.readouterr().err == "cce-train: invalid recipe: train.stop_at: 11 is past train.steps=10\n"
+
+
 def test_cuda_only_features_on_cpu():
     assert _error({"parallel": {"pipeline": 2}}, world=4).startswith("parallel.pipeline")
     assert _error({"parallel": {"distributed_optimizer": True}}, world=2).startswith("parallel.distributed_optimizer")
