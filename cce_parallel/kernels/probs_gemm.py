@@ -113,7 +113,7 @@ def _logits_probs_kernel(
         tl.store(K_ptr + tile_of_row, k, mask=mask_n)
         tl.store(S_ptr + tile_of_row, s, mask=mask_n)
         tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
-        here = mask_n & (tgt >= pid_v * BLOCK_V) & (tgt < pid_v * BLOCK_V + BLOCK_V)
+        here = mask_n & (tgt >= pid_v * BLOCK_V) & (tgt < tl.minimum(pid_v * BLOCK_V + BLOCK_V, V))
         zt = tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
         tl.store(Zt_ptr + offs_n, zt, mask=here)
         if NEED_ZSUM:

@@ -146,7 +146,7 @@ def test_fused_gemm_references_are_exact_powers_of_two(device):
     z[3, 0] = 300.0  # the first tile holds the maximum
     z[4] -= 500.0  # every logit far below 0
     z[5, 40:] -= 100.0  # tiles on both sides of a reference boundary
-    targets = torch.tensor([0, 299, 5, 7, 400, 41], device=device)  # 400: held by another rank
+    targets = torch.tensor([0, 299, 5, 7, 310, 41], device=device)  # 310: past V, in its last tile
     # e = z and c = the identity: the GEMM reproduces z exactly.
     e = z.float().contiguous()
     c = torch.eye(300, device=device, dtype=torch.float32)
