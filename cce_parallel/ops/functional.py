@@ -41,8 +41,8 @@ def resolve_logits_budget(budget) -> int:
     return budget
 
 
-def _triton_usable(impl: str, device: torch.device) -> bool:
-    """Whether the Triton kernels run for this device; otherwise warn once and use PyTorch."""
+def _triton_usable(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels run for this device and dtype; otherwise warn once and use PyTorch."""
     if not IMPL_TRAITS[impl].triton:
         return False
     reason = None
@@ -52,6 +52,8 @@ def _triton_usable(impl: str, device: torch.device) -> bool:
         reason = "triton is not installed"
     if reason is None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         reason = "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported) to run the kernels"
+    if reason is None and device.type == "cpu" and dtype != torch.float32:
+        reason = f"the Triton interpreter (CPU) runs the kernels in float32 only, not {dtype}"
     if reason is None and device.type not in ("cpu", "cuda"):
         reason = f"no Triton kernels for device type {device.type!r}"
     if reason is None:
@@ -224,7 +226,7 @@ def sharded_linear_cross_entropy(
         # Each rank scores the targets its shard holds; -1 marks "held elsewhere".
         t2 = torch.where((t2 >= vocab_start) & (t2 < vocab_start + shard), t2 - vocab_start, -1)
 
-    use_triton = _triton_usable(impl, e.device)
+    use_triton = _triton_usable(impl, e.device, e.dtype)
     kernel_cfg = None
     if use_triton:
         from cce_parallel.kernels.config import default_config

@@ -337,6 +337,28 @@ def test_cpu_without_interpreter_warns_and_uses_torch():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_low_precision_warns_and_uses_torch(dtype, monkeypatch):
+    """The Triton interpreter runs the kernels in fp32 only (bf16 gave a loss of 1e10 where 5.9 is
+    right): low-precision CPU tensors warn and give the "torch" result, gradients included."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter")
+    from cce_parallel.ops import functional
+
+    monkeypatch.setattr(functional, "_warned_fallback", set())  # it warns once per process
+    torch.manual_seed(0)
+    e = torch.randn(37, 48).to(dtype).requires_grad_()
+    c = (torch.randn(517, 48) * 0.1).to(dtype).requires_grad_()
+    t = torch.randint(0, 517, (37,))
+    with pytest.warns(UserWarning, match="runs the kernels in float32 only"):
+        loss = cce_parallel.linear_cross_entropy(e, c, t, impl="cce_kahan_full_c")
+    grads = torch.autograd.grad(loss, (e, c))
+    ref = cce_parallel.linear_cross_entropy(e, c, t, impl="torch")
+    assert torch.equal(loss, ref)
+    for got, want in zip(grads, torch.autograd.grad(ref, (e, c))):
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_public_api():
     assert set(cce_parallel.IMPLS) == {
         "cce",
