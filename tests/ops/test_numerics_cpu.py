@@ -29,7 +29,6 @@ from tests.helpers import (
     assert_errors_below,
     check_against_oracle,
     errors,
-    peaked_inputs,
     random_inputs,
     run,
     upstream,
