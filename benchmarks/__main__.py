@@ -6,6 +6,9 @@
             a crash or hang at one size cannot touch the others), then one merged report
             (options: ``tp --help``, plus ``--sizes 1,2,4`` and ``--launch-timeout S``)
     render  no GPU: merge result files (both kinds) and rewrite their .md (and .png)
+    baseline REF DIR   write cce_parallel as it is at git REF to DIR/cce_parallel_<sha>, for
+            ``loss --baseline DIR/cce_parallel_<sha> --methods ours:...,base:...`` (an A/B in one
+            process, on a machine without the repository's history)
 
 Results go to ``benchmarks/results/<gpu>_<yyyymmdd>[_tp][_<tag>].{json,md,png}`` (or ``--out``).
 """
@@ -99,7 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--tag", default=None)
         a = p.parse_args(rest)
         return render(a.files, out=a.out, tag=a.tag)
-    raise SystemExit(f"unknown command {command!r}; known: loss, tp, render")
+    if command == "baseline":
+        p = argparse.ArgumentParser(prog="python -m benchmarks baseline")
+        p.add_argument("ref", help="a git ref of this checkout")
+        p.add_argument("dir", help="folder to write cce_parallel_<sha> into")
+        a = p.parse_args(rest)
+        Path(a.dir).mkdir(parents=True, exist_ok=True)
+        print(C.export_baseline(a.ref, Path(a.dir)))
+        return 0
+    raise SystemExit(f"unknown command {command!r}; known: loss, tp, render, baseline")
 
 
 if __name__ == "__main__":

@@ -580,6 +580,58 @@ def fmt_err(x, missing: str = "–") -> str:
     return f"{x:.1e}"
 
 
+# ----------------------------------------------------------------------------------------------
+# A baseline: cce_parallel as it was at another commit, imported beside this one
+# ----------------------------------------------------------------------------------------------
+
+BASELINE_PREFIX = "cce_parallel_"
+
+
+def export_baseline(ref: str, out_dir: Path) -> Path:
+    """Write cce_parallel as it is at git `ref` to out_dir/cce_parallel_<sha>, every reference to
+    the package renamed, so that it imports beside this checkout's. Returns that folder."""
+    import io
+    import tarfile
+
+    sha = subprocess.run(["git", "rev-parse", "--short=10", f"{ref}^{{commit}}"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    name = BASELINE_PREFIX + sha
+    blob = subprocess.run(["git", "archive", sha, "cce_parallel"], cwd=REPO_ROOT, capture_output=True,
+                          check=True).stdout
+    dest = Path(out_dir) / name
+    if dest.exists():
+        raise SystemExit(f"baseline: {dest} exists")
+    staging = Path(out_dir) / f".{name}.tmp"
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(staging, filter="data")
+    for path in (staging / "cce_parallel").rglob("*.py"):
+        path.write_text(re.sub(r"\bcce_parallel\b", name, path.read_text()))
+    (staging / "cce_parallel").rename(dest)
+    staging.rmdir()
+    return dest
+
+
+def import_baseline(spec: str):
+    """The baseline package: a folder written by export_baseline, or a git ref (exported to a
+    temporary folder first, for a checkout with its history)."""
+    import atexit
+    import importlib
+    import shutil
+    import tempfile
+
+    path = Path(spec)
+    if not (path.is_dir() and path.name.startswith(BASELINE_PREFIX)):
+        tmp = tempfile.mkdtemp(prefix="cce_baseline_")
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        try:
+            path = export_baseline(spec, Path(tmp))
+        except subprocess.CalledProcessError as err:
+            raise SystemExit(f"--baseline {spec!r}: neither a folder written by `python -m benchmarks baseline` "
+                             f"nor a git ref of this checkout ({err.stderr.strip()[:200]})") from None
+    sys.path.insert(0, str(path.parent.resolve()))
+    return importlib.import_module(path.name)
+
+
 def parse_ours(key: str) -> tuple[str, str | None, object]:
     """Split a method key ``ours[:<impl>[@<budget>]]`` into (impl or "", budget text, logits_budget).
 

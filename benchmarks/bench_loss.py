@@ -26,6 +26,7 @@ so a run cut short still leaves what it measured. Run with --help for the option
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import math
@@ -110,7 +111,8 @@ def _per_token(per_token_fn, upstream: str):
     return loss
 
 
-def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
+def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> list[Method]:
+    """baseline: the package that `base[:...]` methods call (C.import_baseline), or None."""
     out: list[Method] = []
     for key in keys:
         if key == "eager":
@@ -170,12 +172,19 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
                     info={"signature": sig, "mode": mode},
                 )
             )
-        elif key == "ours" or key.startswith("ours:"):
-            try:
-                import cce_parallel
-            except Exception as exc:  # noqa: BLE001
-                out.append(Method(key, "cce_parallel", unavailable=C.short_error(exc)))
-                continue
+        elif key in ("ours", "base") or key.startswith(("ours:", "base:")):
+            prefix = key.split(":", 1)[0].split("/", 1)[0]
+            if prefix == "base":
+                if baseline is None:
+                    raise SystemExit(f"method {key!r} needs --baseline")
+                cce_parallel = baseline
+            else:
+                try:
+                    import cce_parallel
+                except Exception as exc:  # noqa: BLE001
+                    out.append(Method(key, "cce_parallel", unavailable=C.short_error(exc)))
+                    continue
+            package = cce_parallel.__name__
             if not hasattr(cce_parallel, "linear_cross_entropy"):
                 where = getattr(cce_parallel, "__path__", None) or getattr(cce_parallel, "__file__", "?")
                 out.append(
@@ -193,21 +202,21 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
             else:
                 wanted = [impl_part]
             for impl in wanted:
-                mkey = f"ours:{impl}" + (f"@{budget_part}" if budget_part else "") + (f"/{upstream}" if upstream else "")
+                mkey = f"{prefix}:{impl}" + (f"@{budget_part}" if budget_part else "") + (f"/{upstream}" if upstream else "")
                 if any(m.key == mkey for m in out):
                     continue
                 if impl not in impls:
-                    out.append(Method(mkey, f"cce_parallel {impl}", unavailable=f"not in IMPLS {impls}"))
+                    out.append(Method(mkey, f"{package} {impl}", unavailable=f"not in IMPLS {impls}"))
                     continue
 
-                def make_ours(impl=impl, budget=budget, upstream=upstream, fn=cce_parallel.linear_cross_entropy):
+                def make_ours(impl=impl, budget=budget, upstream=upstream, fn=cce_parallel.linear_cross_entropy,
+                              package=package):
                     # Each method and case runs as in a fresh process of its own: a per-token-weighted
                     # backward makes later reduction="none" calls take the lean path (ops/autograd.py),
                     # a process-wide switch that must not carry over into /masked (the methods take
                     # turns in the timing rounds). So each call sets it as this method alone would
                     # have: on for /weighted after its first call, off otherwise.
-                    from cce_parallel.ops import autograd
-
+                    autograd = importlib.import_module(f"{package}.ops.autograd")
                     if upstream is None:
                         base = lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)  # noqa: E731
                     else:
@@ -223,14 +232,15 @@ def build_methods(keys: list[str], include_torch_impl: bool) -> list[Method]:
 
                     return loss
 
-                label = f"cce_parallel {impl}" + (f" @{budget_part}" if budget_part else "") + (
+                label = f"{package} {impl}" + (f" @{budget_part}" if budget_part else "") + (
                     f", per-token loss {UPSTREAMS[upstream]}" if upstream else ""
                 )
                 info = {"impl": impl, "logits_budget": budget, "upstream": upstream}
                 out.append(Method(mkey, label, make_ours, info=info))
         else:
             raise SystemExit(
-                f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, ours, ours:<impl>"
+                f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, ours, ours:<impl>, "
+                "base, base:<impl>"
             )
     return out
 
@@ -880,7 +890,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
-        help="comma list: eager, compile, liger, cutce, torch_lce, ours (every Triton impl), ours:<impl>",
+        help="comma list: eager, compile, liger, cutce, torch_lce, ours (every Triton impl), ours:<impl>; "
+        "base[:<impl>...] as ours, for the --baseline package",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="REF_OR_DIR",
+        help="the cce_parallel that base[:...] methods run: a folder written by `python -m benchmarks "
+        "baseline REF DIR`, or a git ref of this checkout",
     )
     p.add_argument(
         "--include-torch-impl",
@@ -1002,7 +1020,8 @@ def main(argv=None) -> int:
     # Shape-major order: a second regime of the same shape reuses compiled / autotuned kernels.
     cases += [Case("sweep", sweep_base.with_tokens(n), r) for n in sweep_tokens for r in sweep_regimes]
 
-    methods = build_methods(C.csv_list(args.methods), args.include_torch_impl)
+    baseline = C.import_baseline(args.baseline) if args.baseline else None
+    methods = build_methods(C.csv_list(args.methods), args.include_torch_impl, baseline)
     meta = C.run_metadata(device, args.commit)
     meta.update(
         {
