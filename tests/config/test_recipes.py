@@ -104,17 +104,22 @@ def test_dry_run_with_pipeline_and_megatron_loss():
     assert report["stages"][1]["output_layer"] == "ColumnParallelLinear"
 
 
-@pytest.mark.parametrize("budget, measured_mib", [("auto", 4358), ("lean", 1258)])
-def test_dry_run_cce_loss_memory_matches_a_measured_peak(budget, measured_mib):
-    """The estimate of the CCE loss layer against the peaks measured on an H100 for Gemma 2 2B's
-    shape (8,192 tokens, V = 256,000, h = 2,304, bf16): one-pass with the default budget
-    (benchmarks/results/h100_20261123_fused_ab.md) and lean (benchmarks/results/h100_20261123.md)."""
+@pytest.mark.parametrize(
+    "budget, vocab, hidden, measured_mib",
+    [("auto", 256000, 2304, 4358), ("lean", 256000, 2304, 1258), ("auto", 152064, 3584, 3436),
+     ("auto", 128256, 4096, 4265), ("auto", 32064, 3072, 1071)],
+)
+def test_dry_run_cce_loss_memory_matches_a_measured_peak(budget, vocab, hidden, measured_mib):
+    """The estimate of the CCE loss layer against the peaks measured on an H100 (8,192 tokens,
+    bf16; benchmarks/results/h100_20261123.md) for the heads of Gemma 2 2B (one-pass with the
+    default budget and lean), Qwen 2.5 7B (two blocks of 4,096 tokens, not one of 7,224 and one of
+    968), Llama 3 8B and Phi 3.5 mini."""
     import torch
 
     from cce_parallel.train.estimate import cce_loss_bytes
 
     recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"loss.logits_budget={budget}"])
-    estimate = cce_loss_bytes(recipe, 8192, 256000, 2304, torch.bfloat16) / 2**20
+    estimate = cce_loss_bytes(recipe, 8192, vocab, hidden, torch.bfloat16) / 2**20
     assert abs(estimate - measured_mib) < 0.05 * measured_mib, estimate
 
 
