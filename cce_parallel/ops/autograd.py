@@ -163,6 +163,12 @@ def dense_blocks(n: int, v: int, budget: int, bytes_per_logit: int, block_v: int
     return rows, logit_chunk(rows, v, budget, bytes_per_logit, block_v)
 
 
+def fused_one_pass(dtype: torch.dtype, softcap, label_smoothing: float) -> bool:
+    """Whether one_pass takes the fused GEMM (its buffer in the input dtype) rather than the
+    two-pass variant (fp32 buffer): not for fp16 inputs, nor softcap with label smoothing."""
+    return dtype != torch.float16 and not (softcap is not None and label_smoothing > 0)
+
+
 def token_block(n: int, v: int, budget: int, itemsize: int) -> int:
     """Tokens per one-pass block: equal blocks whose v columns of itemsize bytes fit `budget`."""
     most = max(1, budget // (itemsize * max(v, 1)))
@@ -281,7 +287,7 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     db = torch.zeros(v, **f32) if cfg.need_db else None
     if n == 0 or v == 0:
         return lse, zt, zsum, de, dc, db
-    fused = e.dtype != torch.float16 and not (cfg.softcap is not None and cfg.label_smoothing > 0)
+    fused = fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing)
     uniform = cfg.label_smoothing > 0
     # -U * sum over this rank's vocabulary of C (dE) and -sum_t U_t E_t on every row of dC (added once).
     csum = c.sum(dim=0, dtype=torch.float32) if fused and uniform and de is not None else None

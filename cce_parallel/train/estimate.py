@@ -29,8 +29,8 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
   megatron: the logits [N, V/tp] in fp32 and their gradient, 8·N·V/tp;
   CCE, one-pass (the default): fp32 ∇E [N, h] and ∇C [V/tp, h], plus the larger of the logits
   buffer (loss.logits_budget, equal token blocks of N·V/tp logits at most, in the compute dtype;
-  fp32 for fp16) with an fp32 [block, h] temporary, and the gradients in the compute dtype that
-  the backward returns;
+  fp32 for fp16 and for softcap with label smoothing) with an fp32 [block, h] temporary, and the
+  gradients in the compute dtype that the backward returns;
   CCE, lean: ∇E + ∇C in the compute dtype plus a workspace of at most 64 MiB.
 """
 
@@ -169,7 +169,7 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
 def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype) -> float:
     """Peak bytes of the CCE loss layer for n_tokens tokens over a vocabulary shard of `shard` rows
     (see the module docstring)."""
-    from cce_parallel.ops.autograd import token_block
+    from cce_parallel.ops.autograd import fused_one_pass, token_block
     from cce_parallel.ops.functional import resolve_logits_budget
 
     width = torch.empty((), dtype=dtype).element_size()
@@ -177,7 +177,8 @@ def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype) -
     budget = resolve_logits_budget(recipe.loss.logits_budget)
     if budget == 0:
         return outputs + (64 << 20)
-    logit_width = 4 if dtype == torch.float16 else width
+    loss = recipe.loss
+    logit_width = width if fused_one_pass(dtype, loss.softcap, loss.label_smoothing) else 4
     block = token_block(n_tokens, math.ceil(shard), budget, logit_width)
     # fp32 dE and dC; the buffer and, beside it, an fp32 [block, h] temporary (the target term)
     return (n_tokens * h + shard * h) * 4 + max(block * (shard * logit_width + 4 * h), outputs)

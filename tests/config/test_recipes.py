@@ -123,6 +123,22 @@ def test_dry_run_cce_loss_memory_matches_a_measured_peak(budget, vocab, hidden, 
     assert abs(estimate - measured_mib) < 0.05 * measured_mib, estimate
 
 
+def test_dry_run_cce_loss_memory_follows_the_path():
+    """softcap with label smoothing takes the two-pass variant, whose buffer holds fp32 logits:
+    half the tokens per block of the same budget, the same buffer bytes, more blocks."""
+    import torch
+
+    from cce_parallel.train.estimate import cce_loss_bytes
+
+    def mib(*overrides):
+        recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", ["loss.logits_budget=auto", *overrides])
+        return cce_loss_bytes(recipe, 8192, 256000, 2304, torch.bfloat16) / 2**20
+
+    fused, two_pass = mib("loss.softcap=30.0"), mib("loss.softcap=30.0", "loss.label_smoothing=0.1")
+    assert fused == mib() and two_pass != fused
+    assert abs(two_pass - (4 * (8192 + 256000) * 2304 + 2048 * (256000 * 4 + 4 * 2304)) / 2**20) < 1
+
+
 def test_dry_run_activations_shrink_with_recompute():
     """--dry-run's activation estimate: full < none = selective core_attn (flash-style
     attention keeps no s² scores), and full uniform keeps one layer input per chunk plus one chunk."""
