@@ -120,7 +120,9 @@ def _logits_probs_kernel(
             tl.store(Zs_ptr + tile_of_row, tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1), mask=mask_n)
 
 
-@triton.jit
+# Not specialized on its sizes: with N, V, T and the row stride all multiples of 16 (a tiny Megatron
+# GPT's bf16 loss) triton 3.6 failed to compile it (TritonGPUOptimizeThreadLocality).
+@triton.jit(do_not_specialize=["N", "V", "T"])
 def _rows_kernel(
     W_ptr,  # [N, V] from _logits_probs_kernel; tiles below their row's reference are rescaled
     K_ptr,  # [N, T] tile references (BUCKET log2 units)

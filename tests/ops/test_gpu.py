@@ -305,3 +305,18 @@ def test_one_pass_token_blocks_no_worse_than_plain_pytorch(dtype, impl):
     show(f"one pass, token blocks {dtype} {impl}", errs, plain_errs)
     bad = worse_than_plain(errs, plain_errs)
     assert not bad, f"worse than plain PyTorch in {dtype}: {bad} vs {plain_errs}"
+
+
+@pytest.mark.parametrize("n, v, d", [(1, 1, 16), (1, 128, 32), (37, 300, 48), (64, 4096, 64)])
+def test_one_pass_tiny_shapes(n, v, d):
+    """Small shapes compile and agree with float64: one token, a vocabulary of one tile, and every
+    size a multiple of 16 (for which triton 3.6 once failed to compile the fused GEMM's row kernel)."""
+    g = torch.Generator(device="cuda").manual_seed(n * 1000 + v)
+    e = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+    c = (torch.randn(v, d, device="cuda", generator=g) * 0.3).bfloat16()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
+    linear_cross_entropy(e1, c1, t, impl="cce_kahan_full_c").backward()
+    e64, c64 = e.double().requires_grad_(), c.double().requires_grad_()
+    torch.nn.functional.cross_entropy(e64 @ c64.T, t).backward()
+    assert rel_err(e1.grad.double(), e64.grad) < 2e-2 and rel_err(c1.grad.double(), c64.grad) < 2e-2
