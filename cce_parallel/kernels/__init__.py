@@ -10,9 +10,11 @@ from cce_parallel.kernels.from_logits import (
 )
 from cce_parallel.kernels.probs_gemm import logits_probs
 from cce_parallel.kernels.scaled import scaled_copy
+from cce_parallel.kernels.target_rows import add_rows_summed
 
 __all__ = [
     "KernelConfig",
+    "add_rows_summed",
     "default_config",
     "dz_from_logits",
     "dz_rows_in_place",

@@ -20,8 +20,8 @@ def _scaled_copy_kernel(X_ptr, Out_ptr, Scale_ptr, numel, BLOCK: tl.constexpr):
 
 def scaled_copy(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new contiguous tensor x * scale in `dtype` (the product in fp32, rounded once)."""
-    if not x.is_contiguous() or x.dtype != torch.float32:
-        raise ValueError("x must be a contiguous fp32 tensor")
+    if not x.is_contiguous() or not x.is_floating_point():
+        raise ValueError("x must be a contiguous floating-point tensor")
     if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != x.device:
         raise ValueError("scale must be a one-element fp32 tensor on x's device")
     out = torch.empty(x.shape, device=x.device, dtype=dtype)

@@ -29,7 +29,8 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
 Accumulation: dE is summed in fp32 over the vocabulary (and over tensor-parallel ranks), dC over
 token blocks in fp32 (added into Megatron's main_grad at backward where there is one), each rounded
 once. Summing dC in bf16 over the blocks, as the paper's CCE does, would save V x D x 2 bytes but
-measured worse than plain bf16 PyTorch (README, "Accuracy"). Nothing is filtered: on realistic data
+measured worse than plain bf16 PyTorch (README, "Accuracy"); from one block (no sum over blocks)
+the dC GEMM writes bf16 directly, the target rows rounded once more (kernels/target_rows.py). Nothing is filtered: on realistic data
 block sparsity is too low for skipping to pay (README, "Gradient filtering"). Everything is
 deterministic: library GEMMs and kernels without atomics.
 
@@ -194,8 +195,10 @@ def _mm_into(out, a, b, *, accumulate: bool, alpha: float = 1.0):
     beta = 1.0 if accumulate else 0.0  # beta = 0 never reads out (it may hold garbage)
     if out.dtype == a.dtype:
         torch.addmm(out, a, b, beta=beta, alpha=alpha, out=out)
-    else:
+    elif out.is_cuda:
         torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=out.dtype, out=out)
+    else:  # the CPU has no mixed-dtype GEMM: the same arithmetic on fp32 copies
+        torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
 
 
 def _combine(mx, se, zt, zsum, comm, dim=None):
@@ -255,10 +258,11 @@ def _stats_of_block(x, bias, targets, cfg, comm):
 # the one-pass path
 
 
-def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
+def one_pass(e, c, bias, targets, cfg: LossConfig, comm, *, main_grad: bool = False):
     """(lse, zt, zsum, dE, dC, dbias) with the gradients of grad_scale * per-token loss: dE the fp32
-    partial sum over this rank's vocabulary, dC and dbias fp32; None where not
-    needed. See the module docstring.
+    partial sum over this rank's vocabulary, dbias fp32, dC fp32 (in c's dtype when one GEMM makes
+    it, see dc_dtype below, unless it goes into an fp32 `main_grad`); None where not needed. See
+    the module docstring.
 
     Per block the fused GEMM writes W = exp(z - ref) (times the softcap's 1 - tanh^2) in the input
     dtype, ref being a per-row offset it picks within 44.4 nats of the row's largest logit on this
@@ -280,22 +284,28 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
     f32 = dict(device=e.device, dtype=torch.float32)
     lse, zt = torch.empty(n, **f32), torch.empty(n, **f32)
     zsum = torch.empty(n, **f32) if cfg.label_smoothing > 0 else None
-    # Every block writes its rows of dE; the first block writes dC (beta = 0), later ones add.
-    alloc = torch.empty if n > 0 else torch.zeros
-    de = alloc((n, d), **f32) if cfg.need_de else None
-    dc = alloc((v, d), device=c.device, dtype=torch.float32) if cfg.need_dc else None
-    db = torch.zeros(v, **f32) if cfg.need_db else None
-    if n == 0 or v == 0:
-        return lse, zt, zsum, de, dc, db
     fused = fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing)
     uniform = cfg.label_smoothing > 0
-    # -U * sum over this rank's vocabulary of C (dE) and -sum_t U_t E_t on every row of dC (added once).
-    csum = c.sum(dim=0, dtype=torch.float32) if fused and uniform and de is not None else None
-    u_rows = torch.zeros(d, **f32) if fused and uniform and dc is not None else None
     # The same token blocks on every rank (each block's statistics are all-reduced), sized by the
     # largest shard.
     buf_dtype = e.dtype if fused else torch.float32
     nt = token_block(n, max(v, cfg.block_vocab), cfg.logits_budget, buf_dtype.itemsize)
+    # dC in c's dtype when one GEMM makes it (one block, no uniform term): V x D x 2 bytes less,
+    # rounded once, and once more on the target rows when their target term (summed in fp32) is
+    # added. Over several blocks it sums in fp32: partial sums rounded to bf16 measured worse than
+    # plain PyTorch on random data (README, "Accuracy"). Into Megatron's fp32 main_grad it goes
+    # unrounded, as Megatron's own weight gradient does.
+    dc_dtype = c.dtype if fused and nt >= n and not uniform and not main_grad else torch.float32
+    # Every block writes its rows of dE; the first block writes dC (beta = 0), later ones add.
+    alloc = torch.empty if n > 0 else torch.zeros
+    de = alloc((n, d), **f32) if cfg.need_de else None
+    dc = alloc((v, d), device=c.device, dtype=dc_dtype) if cfg.need_dc else None
+    db = torch.zeros(v, **f32) if cfg.need_db else None
+    if n == 0 or v == 0:
+        return lse, zt, zsum, de, dc, db
+    # -U * sum over this rank's vocabulary of C (dE) and -sum_t U_t E_t on every row of dC (added once).
+    csum = c.sum(dim=0, dtype=torch.float32) if fused and uniform and de is not None else None
+    u_rows = torch.zeros(d, **f32) if fused and uniform and dc is not None else None
     buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
     for t0 in range(0, n, nt):
         rows = slice(t0, min(n, t0 + nt))
@@ -309,8 +319,10 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
             lse[rows] = m + torch.log(s_all)
             if zsum is not None:
                 zsum[rows] = zs
-            _fused_products(w_mat, torch.exp(ref - m) / s_all, e_b, c, t_b, cfg, lse[rows], zt[rows],
-                            de[rows] if de is not None else None, dc, db, csum, u_rows, first=t0 == 0)
+            target_term = _fused_products(
+                w_mat, torch.exp(ref - m) / s_all, e_b, c, t_b, cfg, lse[rows], zt[rows],
+                de[rows] if de is not None else None, dc, db, csum, u_rows, first=t0 == 0,
+            )
             continue
         logits_into(x, e_b, c)
         m, se, zt[rows], zs = _stats_of_block(x, bias, t_b, cfg, comm)
@@ -320,6 +332,10 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm):
         _two_pass_products(x, e_b, c, bias, t_b, cfg, lse[rows],
                            de[rows] if de is not None else None, dc, db, first=t0 == 0)
     del buf
+    if dc is not None and dc.dtype != torch.float32:
+        # One block: its target term, each target row's sum in fp32, rounded into dC once.
+        cols, b = target_term
+        kernels.add_rows_summed(dc, cols, e, b[:, 0].neg())
     if u_rows is not None:
         dc.sub_(u_rows.to(dc.dtype)[None, :])
     return lse, zt, zsum, de, dc, db
@@ -329,7 +345,8 @@ def _fused_products(w_mat, r_over_s, e, c, targets, cfg, lse, zt, de_rows, dc, d
     """dE rows, dC and dbias of one block from W (see one_pass): the gradient is w W - B' [target] - U
     with w = A r / S per token (r_over_s). The target term stays out of W: rounded into W's target entry it would
     lose 2^-9 of what is, for an untrained model, most of each row's gradient. It is added in fp32
-    from the target rows of C and E instead (index_put_ with accumulate is deterministic)."""
+    from the target rows of C and E instead (index_put_ with accumulate is deterministic); into a
+    dC in c's dtype by the caller, who gets (target rows, B' [k, 1]) back."""
     k = e.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
     a, b, u = coefficients(torch.full((k,), cfg.grad_scale, **f32), None, lse, cfg)
@@ -348,7 +365,8 @@ def _fused_products(w_mat, r_over_s, e, c, targets, cfg, lse, zt, de_rows, dc, d
     if dc is not None:
         # Products in fp32, each rounded once, in one elementwise pass (no fp32 copy of e).
         _mm_into(dc, w_mat.t(), torch.mul(e, w[:, None], out=torch.empty_like(e)), accumulate=not first)
-        dc.index_put_((cols,), torch.mul(e, -b).to(dc.dtype), accumulate=True)
+        if dc.dtype == torch.float32:
+            dc.index_put_((cols,), torch.mul(e, -b), accumulate=True)
         if u is not None:
             u_rows.add_(u @ e.float())
     if db is not None:
@@ -356,6 +374,7 @@ def _fused_products(w_mat, r_over_s, e, c, targets, cfg, lse, zt, de_rows, dc, d
         db.index_put_((cols,), -b[:, 0], accumulate=True)
         if u is not None:
             db.sub_(u.sum())
+    return cols, b
 
 
 def _two_pass_products(x, e, c, bias, targets, cfg, lse, de_rows, dc, db, *, first):
@@ -551,8 +570,9 @@ def _uniform(g: torch.Tensor, keep):
 
 
 def _scaled(t, ratio, dtype):
-    """t (fp32) * ratio (a float or a 0-dim tensor) in `dtype`, with no temporary of t's size and
-    no host sync: one Triton pass (torch.mul into a narrower dtype takes twice as long)."""
+    """t (fp32, or a dC made in c's dtype) * ratio (a float or a 0-dim tensor) in `dtype`, with no
+    temporary of t's size and no host sync: one Triton pass (torch.mul into a narrower dtype takes
+    twice as long)."""
     if t is None:
         return None
     if isinstance(ratio, float):
@@ -585,7 +605,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         t_k = targets if keep is None else targets.index_select(0, keep)
         de = dc = db = None
         if cfg.one_pass:
-            lse, zt, zsum, de, dc, db = one_pass(e_k, c, bias, t_k, cfg, comm)
+            lse, zt, zsum, de, dc, db = one_pass(e_k, c, bias, t_k, cfg, comm, main_grad=c_main_grad is not None)
             if de is not None:
                 de = _finish_de(de, keep, n, comm, sequence_parallel)
         else:

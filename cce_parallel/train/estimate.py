@@ -30,7 +30,8 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
   CCE, one-pass (the default): fp32 ∇E [N, h] and ∇C [V/tp, h], plus the larger of the logits
   buffer (loss.logits_budget, equal token blocks of N·V/tp logits at most, in the compute dtype;
   fp32 for fp16 and for softcap with label smoothing) with an fp32 [block, h] temporary, and the
-  gradients in the compute dtype that the backward returns;
+  gradients in the compute dtype that the backward returns; in bf16 without label smoothing, when
+  one block holds all N tokens and no fp32 main_grad takes ∇C, ∇C and the temporary are bf16;
   CCE, lean: ∇E + ∇C in the compute dtype plus a workspace of at most 64 MiB.
 """
 
@@ -109,7 +110,7 @@ def _build_stage(recipe: Recipe, *, rank: int, world: int, device: str, dtype, v
 def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None = None, quiet: bool = False) -> dict:
     """Check the recipe for a world size, build each stage on meta, and report; returns the report."""
     from cce_parallel.train.launch import needed_world_size
-    from cce_parallel.train.model import flops_per_token, model_vocab_size
+    from cce_parallel.train.model import flops_per_token, have_grad_accumulation_fusion, model_vocab_size
 
     p, m, t = recipe.parallel, recipe.model, recipe.train
     world = world_size or needed_world_size(recipe)
@@ -133,6 +134,9 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
         total -= vocab * m.hidden_size  # the last stage's copy of the tied embedding
 
     width = 2 if dtype == torch.bfloat16 else 4
+    # The output layer adds ∇C into an fp32 main_grad where train/model.py turns gradient-accumulation
+    # fusion on (apex's extension installed here, as on the machine that will train).
+    main_grad = device == "cuda" and p.fsdp == "none" and have_grad_accumulation_fusion()
     b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
     n_tokens = b * s
     memory = []
@@ -149,7 +153,7 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
         base = weights + grads + optimizer + activations
         last = index == p.pipeline - 1
         logits = 8 * n_tokens * vocab / p.tensor if last else 0
-        cce = cce_loss_bytes(recipe, n_tokens, vocab / p.tensor, h, dtype) if last else 0
+        cce = cce_loss_bytes(recipe, n_tokens, vocab / p.tensor, h, dtype, main_grad=main_grad) if last else 0
         memory.append({"stage": index, "weights": weights, "grads": grads, "optimizer": optimizer,
                        "activations": activations, "loss_megatron": logits, "loss_cce": cce,
                        "total_megatron": base + logits, "total_cce": base + cce})
@@ -166,9 +170,9 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
     return report
 
 
-def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype) -> float:
+def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype, *, main_grad: bool = False) -> float:
     """Peak bytes of the CCE loss layer for n_tokens tokens over a vocabulary shard of `shard` rows
-    (see the module docstring)."""
+    (see the module docstring); main_grad: ∇C goes into an fp32 main_grad (so it stays fp32)."""
     from cce_parallel.ops.autograd import fused_one_pass, token_block
     from cce_parallel.ops.functional import resolve_logits_budget
 
@@ -180,8 +184,13 @@ def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype) -
     loss = recipe.loss
     logit_width = width if fused_one_pass(dtype, loss.softcap, loss.label_smoothing) else 4
     block = token_block(n_tokens, math.ceil(shard), budget, logit_width)
-    # fp32 dE and dC; the buffer and, beside it, an fp32 [block, h] temporary (the target term)
-    return (n_tokens * h + shard * h) * 4 + max(block * (shard * logit_width + 4 * h), outputs)
+    # dC in the input dtype when one block holds every token (bf16, no label smoothing), else fp32
+    one_gemm = block == n_tokens and dtype == torch.bfloat16 and recipe.loss.label_smoothing == 0 and not main_grad
+    # the buffer beside a [block, h] temporary: fp32 (the target term), or in the input dtype
+    # when the target term goes straight into a bf16 dC
+    during = block * (shard * logit_width + (width if one_gemm else 4) * h)
+    # fp32 dE, dC (as above), and the larger of the above and the returned gradients
+    return n_tokens * h * 4 + shard * h * (width if one_gemm else 4) + max(during, outputs)
 
 
 def activation_bytes(recipe: Recipe, *, layers: int, in_flight: int, width: int) -> float:

@@ -298,3 +298,99 @@ def test_token_blocks_are_equal_and_fit_the_budget():
                 blocks = math.ceil(n / rows)
                 assert rows >= 1 and (blocks - 1) * rows < n <= blocks * rows
                 assert rows == 1 or rows * v * itemsize <= budget
+
+
+def _torch_logits_probs(e, c, bias, targets, out, *, softcap, need_zsum, config):
+    """A PyTorch stand-in for kernels.logits_probs (the interpreter runs Triton in fp32 only)."""
+    assert softcap is None and not need_zsum
+    z = e.float() @ c.float().T + (bias.float() if bias is not None else 0.0)
+    ref = z.max(dim=1).values
+    p = torch.exp(z - ref[:, None])
+    out.copy_(p)
+    here = (targets >= 0) & (targets < c.shape[0])
+    zt = torch.where(here, z.gather(1, targets.clamp(0, c.shape[0] - 1)[:, None]).squeeze(1), 0.0)
+    return out, ref, p.sum(dim=1), zt, None
+
+
+def _torch_add_rows_summed(out, index, e, coef):
+    """A PyTorch stand-in for kernels.add_rows_summed (bf16 out)."""
+    out.copy_(out.double().index_add(0, index, e.double() * coef.double()[:, None]).to(out.dtype))
+
+
+@pytest.mark.parametrize("blocks, main_grad", [(1, False), (2, False), (1, True)])
+def test_bf16_dc_is_written_in_bf16_from_one_block(blocks, main_grad, device, monkeypatch):
+    """bf16 from one token block: dC is one GEMM written in bf16 (2 bytes per entry less than an fp32
+    sum), its target rows rounded once more after their fp32 target term; over several blocks it
+    sums in fp32, and into Megatron's fp32 main_grad it goes unrounded. Either way its error is
+    below plain bf16 PyTorch's, also where one target is most
+    of the tokens (as frequent tokens are). On CPU, PyTorch stand-ins replace the fused GEMM and the
+    target rows' sum (the interpreter runs Triton in fp32 only); the rest of the path is the real one."""
+    from cce_parallel.ops import functional
+
+    if device.type == "cpu":
+        from cce_parallel import kernels
+
+        monkeypatch.setattr(kernels, "logits_probs", _torch_logits_probs)
+        monkeypatch.setattr(kernels, "add_rows_summed", _torch_add_rows_summed)
+        monkeypatch.setattr(functional, "_triton_usable", lambda impl, device, dtype: True)
+    made = []
+    real = autograd.one_pass
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        made.append(out[4].dtype)
+        return out
+
+    monkeypatch.setattr(autograd, "one_pass", spy)
+    n, v, d = 256, 1000, 64
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(n, d, generator=g).bfloat16()
+    c = (torch.randn(v, d, generator=g) * 0.3).bfloat16()
+    t = torch.randint(0, v, (n,), generator=g)
+    t[: n // 2] = 7  # half the tokens share one target
+    t[::7] = -100
+    e, c, t = e.to(device), c.to(device), t.to(device)
+    budget = 2 * v * (n // blocks)  # bf16 W: n / blocks tokens per block
+    e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
+    buffer = torch.zeros(c.shape, device=device)
+    extra = {"c_main_grad": lambda: buffer} if main_grad else {}
+    loss = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, logits_budget=budget, **extra)
+    (loss * 3.0).backward()  # an upstream gradient other than 1
+    assert made == [torch.bfloat16 if blocks == 1 and not main_grad else torch.float32]
+    dc = buffer if main_grad else c1.grad
+    assert (c1.grad is None) == main_grad and e1.grad.dtype == torch.bfloat16
+    assert dc.dtype == (torch.float32 if main_grad else torch.bfloat16)
+
+    e64, c64 = e.double().requires_grad_(), c.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(e64 @ c64.T, t) * 3.0
+    ref.backward()
+    e16, c16 = e.clone().requires_grad_(), c.clone().requires_grad_()
+    (torch.nn.functional.cross_entropy(e16 @ c16.T, t) * 3.0).backward()  # plain bf16 PyTorch
+    assert rel_err(loss.double() * 3.0, ref) < 1e-5
+    for ours, plain, want in ((e1.grad, e16.grad, e64.grad), (dc, c16.grad, c64.grad)):
+        assert rel_err(ours.double(), want) < min(5e-3, rel_err(plain.double(), want))
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_summed_into_a_narrow_tensor(dtype, device):
+    """kernels.add_rows_summed: rows that share an index summed in fp32, each row of out rounded
+    once more (runs longer than a chunk of the kernel, and rows of out left alone)."""
+    from cce_parallel import kernels
+
+    if device.type == "cpu" and dtype != torch.float32:
+        pytest.skip("the interpreter runs Triton in fp32 only")
+    g = torch.Generator().manual_seed(1)
+    out = torch.randn(50, 40, generator=g).to(dtype)
+    index = torch.randint(0, 50, (400,), generator=g)
+    index[:300] = 3
+    index[300:310] = 49
+    e = torch.randn(400, 40, generator=g).to(dtype)
+    coef = torch.randn(400, generator=g) * 1e-2
+    want = out.double().index_add(0, index, e.double() * coef.double()[:, None])
+    got = out.to(device)
+    kernels.add_rows_summed(got, index.to(device), e.to(device), coef.to(device))
+    assert torch.equal(got.cpu(), want.to(dtype)) or rel_err(got.cpu().double(), want) < 1e-6
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[index] = False
+    assert torch.equal(got.cpu()[untouched], out[untouched])

@@ -1,0 +1,74 @@
+"""out[index[i]] += coef[i] * e[i] for an out in a narrower dtype than the sum (bf16 dC).
+
+The rows that share an index are summed in fp32 first, so each row of out is rounded once more,
+not once per row added: a frequent target token is thousands of rows. One program per (position in
+index order, column block) whose position starts a run of equal indices; it walks the run. The
+order of every sum is fixed: deterministic. Traffic: e once and the touched rows of out, where
+PyTorch's index_put_ over fp32 [k, D] temporaries moved about 25 times e's bytes (0.45 ms of
+Phi 3.5 mini's 9 ms loss on an H100).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rows_summed_kernel(
+    Out_ptr,  # [V, D] rows to add into (any float dtype), row stride stride_o
+    E_ptr,  # [k, D] rows to add, row stride stride_e
+    Coef_ptr,  # [k] fp32 factor of each row of e
+    Sorted_ptr,  # [k] int64 index, sorted
+    Order_ptr,  # [k] int64 the row of e at each sorted position (a stable sort)
+    k,
+    D,
+    stride_o,
+    stride_e,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pos = tl.program_id(0).to(tl.int64)
+    col = tl.load(Sorted_ptr + pos)
+    prev = tl.load(Sorted_ptr + tl.maximum(pos - 1, 0))
+    if (pos == 0) | (prev != col):  # this position starts its run of equal indices
+        offs_d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        start = pos
+        more = pos >= 0
+        while more:
+            at = start + tl.arange(0, ROWS)
+            idx = tl.load(Sorted_ptr + at, mask=at < k, other=-1)
+            run = idx == col
+            rows = tl.load(Order_ptr + at, mask=run, other=0)
+            coef = tl.load(Coef_ptr + rows, mask=run, other=0.0)
+            x = tl.load(E_ptr + rows[:, None] * stride_e + offs_d[None, :], mask=run[:, None] & mask_d[None, :],
+                        other=0.0)
+            acc += tl.sum(x.to(tl.float32) * coef[:, None], axis=0)
+            # The run goes on past this chunk only if its last position still holds col.
+            more = tl.sum(run.to(tl.int32), axis=0) == ROWS
+            start += ROWS
+        ptrs = Out_ptr + col * stride_o + offs_d
+        out = tl.load(ptrs, mask=mask_d, other=0.0).to(tl.float32)
+        tl.store(ptrs, (out + acc).to(Out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def add_rows_summed(out: torch.Tensor, index: torch.Tensor, e: torch.Tensor, coef: torch.Tensor) -> None:
+    """out[index[i]] += coef[i] * e[i] (index in [0, out.shape[0])), the rows that share an index summed
+    in fp32 and added to out with one rounding. out and e: unit column stride, e.shape[1] columns;
+    coef fp32 [k]. No host sync."""
+    k = index.numel()
+    if e.shape != (k, out.shape[1]) or coef.shape != (k,) or coef.dtype != torch.float32:
+        raise ValueError(f"e must be [{k}, {out.shape[1]}] and coef fp32 [{k}]")
+    if out.stride(1) != 1 or e.stride(1) != 1:
+        raise ValueError("out and e must have unit column stride")
+    if k == 0 or out.shape[1] == 0:
+        return
+    ordered, order = torch.sort(index, stable=True)
+    # Wide column blocks: most programs find no run to start and return at once.
+    block_d = 1024 if out.is_cuda else 32
+    grid = (k, triton.cdiv(out.shape[1], block_d))
+    _add_rows_summed_kernel[grid](
+        out, e, coef, ordered, order, k, out.shape[1], out.stride(0), e.stride(0),
+        ROWS=16 if out.is_cuda else 4, BLOCK_D=block_d, num_warps=8,
+    )
