@@ -110,7 +110,7 @@ def _build_stage(recipe: Recipe, *, rank: int, world: int, device: str, dtype, v
 def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None = None, quiet: bool = False) -> dict:
     """Check the recipe for a world size, build each stage on meta, and report; returns the report."""
     from cce_parallel.train.launch import needed_world_size
-    from cce_parallel.train.model import flops_per_token, have_grad_accumulation_fusion, model_vocab_size
+    from cce_parallel.train.model import flops_per_token, grad_accumulation_fusion, model_vocab_size
 
     p, m, t = recipe.parallel, recipe.model, recipe.train
     world = world_size or needed_world_size(recipe)
@@ -134,9 +134,9 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
         total -= vocab * m.hidden_size  # the last stage's copy of the tied embedding
 
     width = 2 if dtype == torch.bfloat16 else 4
-    # The output layer adds ∇C into an fp32 main_grad where train/model.py turns gradient-accumulation
+    # The output layer adds ∇C into an fp32 main_grad where the job turns gradient-accumulation
     # fusion on (apex's extension installed here, as on the machine that will train).
-    main_grad = device == "cuda" and p.fsdp == "none" and have_grad_accumulation_fusion()
+    main_grad = grad_accumulation_fusion(recipe, cpu_init=device != "cuda")
     b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
     n_tokens = b * s
     memory = []

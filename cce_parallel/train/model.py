@@ -33,6 +33,13 @@ def have_grad_accumulation_fusion() -> bool:
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
+def grad_accumulation_fusion(recipe: Recipe, *, cpu_init: bool) -> bool:
+    """Whether the job's linear layers (and the CCE output layer) add weight gradients into an fp32
+    main_grad: apex's extension installed, GPU initialization, and no FSDP2 (which gives its
+    parameters no main_grad buffer to accumulate into)."""
+    return have_grad_accumulation_fusion() and not cpu_init and recipe.parallel.fsdp == "none"
+
+
 def model_vocab_size(recipe: Recipe, tokenizer_vocab: int) -> int:
     """The padded vocabulary of the model: model.vocab_size (or the tokenizer's), rounded up to a
     multiple of make_vocab_size_divisible_by · tp, as Megatron-LM pads it."""
@@ -78,8 +85,7 @@ def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, in
         use_cpu_initialization=cpu_init,
         perform_initialization=init,
         # Fusions: apex kernels for the weight-gradient accumulation, TE/jit ones for the rest.
-        # FSDP2 gives its parameters no main_grad buffer to accumulate into.
-        gradient_accumulation_fusion=have_grad_accumulation_fusion() and not cpu_init and p.fsdp == "none",
+        gradient_accumulation_fusion=grad_accumulation_fusion(recipe, cpu_init=cpu_init),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
