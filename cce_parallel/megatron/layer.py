@@ -363,8 +363,19 @@ class CCEOutputLayer(ColumnParallelLinear):
             self._cce_last_loss = None
 
     def is_routed_loss(self, tensor) -> bool:
-        """Whether `tensor` is the loss this layer returned in place of logits under route_labels."""
-        return tensor is not None and tensor is self._cce_last_loss
+        """Whether `tensor` is the loss this layer returned in place of logits under route_labels,
+        or a whole view of it (Megatron-FSDP's root forward hook returns outputs as ``view_as``)."""
+        loss = self._cce_last_loss
+        if tensor is None or loss is None:
+            return False
+        return tensor is loss or (
+            isinstance(tensor, torch.Tensor)
+            and tensor.untyped_storage().data_ptr() == loss.untyped_storage().data_ptr()
+            and tensor.storage_offset() == loss.storage_offset()
+            and tensor.shape == loss.shape
+            # (strides of size-1 dimensions are arbitrary)
+            and all(a == b for a, b, n in zip(tensor.stride(), loss.stride(), loss.shape) if n > 1)
+        )
 
     def __repr__(self):
         return super().__repr__()[:-1] + f", impl={self.cce_options.impl})"

@@ -5,6 +5,8 @@
 - Megatron's gradient-accumulation fusion: ∇W added into ``main_grad`` (fp32 or bf16),
   ``grad_added_to_main_grad`` set, a dummy gradient returned (zeros with ``zero_out_wgrad``), and a
   plain gradient when fusion is off or there is no ``main_grad``;
+- the loss returned under ``route_labels`` is recognized, also through a whole view of it
+  (Megatron-FSDP's root hook);
 - the loss runs inside the module's forward: a forward pre-hook that rewrites the weight (as
   Megatron DDP's parameter all-gather does) is seen by the loss;
 - without labels the layer is ColumnParallelLinear (weight=, runtime_gather_output);
@@ -170,6 +172,24 @@ def test_loss_runs_inside_forward_after_pre_hooks():
         (hidden @ gathered.t()).permute(1, 2, 0), labels, reduction="none"
     )
     assert rel_err(loss, want) <= 1e-5
+
+
+@pytest.mark.parametrize("batch", [B, 1], ids=["b3", "b1"])
+def test_routed_loss_is_recognized_through_a_whole_view(batch):
+    """Megatron-FSDP's root forward hook hands the layer's output on as output.view_as(output):
+    the loss must still be recognized (else GPTModel feeds it to Megatron's cross-entropy), and a
+    view of other elements or another shape must not be. With b = 1 the loss is itself a view."""
+    layer = _layer(options=CCEOptions(impl="torch"))
+    hidden, labels = _inputs()
+    hidden, labels = hidden[:, :batch], labels[:batch]
+    with layer.route_labels(labels):
+        loss, _ = layer(hidden)
+        assert layer.is_routed_loss(loss) and layer.is_routed_loss(loss.view_as(loss))
+        assert not layer.is_routed_loss(loss.clone())
+        assert not layer.is_routed_loss(loss[:, 1:])
+        assert not layer.is_routed_loss(loss.reshape(-1))
+        assert not layer.is_routed_loss(None)
+    assert not layer.is_routed_loss(loss)
 
 
 def test_logits_path_is_column_parallel_linear():
