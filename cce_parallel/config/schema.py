@@ -296,28 +296,28 @@ class ParallelConfig(Section):
     """Overlap the data-parallel gradient reduction with the backward (megatron DDP buckets; CUDA only)."""
     fsdp: Literal["none", "torch", "megatron"] = "none"
     """Fully sharded data parallelism: parameters, gradients and optimizer state sharded over the
-    data-parallel ranks. ``none``: replicated (DDP, or ZeRO-1 with distributed_optimizer);
-    ``torch``: PyTorch FSDP2 through megatron-core's TorchFullyShardedDataParallel (CUDA and CPU),
-    composing with tensor (and sequence) parallelism and gradient accumulation; ``megatron``:
-    Megatron-FSDP, not supported by this job (rejected)."""
+    data-parallel ranks, composing with tensor (and sequence) parallelism and gradient
+    accumulation. ``none``: replicated (DDP, or ZeRO-1 with distributed_optimizer); ``torch``:
+    PyTorch FSDP2 through megatron-core's TorchFullyShardedDataParallel (CUDA and CPU);
+    ``megatron``: megatron-core's Megatron-FSDP (CUDA only; its ZeRO-3 strategy
+    optim_grads_params, fp32 gradient shards, its distributed optimizer)."""
 
     def __post_init__(self):
         self._positive("tensor", "pipeline")
         self._positive("data", allow_none=True)
         if self.sequence_parallel and self.tensor == 1:
             self._fail("sequence_parallel", "needs parallel.tensor > 1")
-        if self.fsdp == "megatron":
-            self._fail("fsdp", "megatron (Megatron-FSDP) is not supported by the train job; use parallel.fsdp=torch")
-        if self.fsdp == "torch":
+        if self.fsdp != "none":
+            engine = {"torch": "megatron-core's torch FSDP2 wrapper", "megatron": "Megatron-FSDP"}[self.fsdp]
             for name, value, why in (
                 ("distributed_optimizer", self.distributed_optimizer, "FSDP shards the optimizer state itself"),
                 ("overlap_grad_reduce", self.overlap_grad_reduce,
                  "a megatron DDP option; FSDP overlaps its reduce-scatters itself"),
-                ("pipeline", self.pipeline > 1, "megatron-core's torch FSDP2 wrapper has no pipeline stages"),
+                ("pipeline", self.pipeline > 1, f"{engine} has no pipeline stages"),
             ):
                 if value:
                     shown = f"{self.pipeline}" if name == "pipeline" else "true"
-                    self._fail("fsdp", f"torch with parallel.{name}={shown} is not supported ({why})")
+                    self._fail("fsdp", f"{self.fsdp} with parallel.{name}={shown} is not supported ({why})")
 
 
 @dataclass
@@ -606,6 +606,11 @@ class Recipe:
                         f"parallel.{name}: {value!r} needs CUDA (megatron-core's implementation allocates on "
                         f"the GPU); on CPU use parallel.{name}={ok!r}"
                     )
+            if p.fsdp == "megatron":
+                raise RecipeError(
+                    "parallel.fsdp: megatron (Megatron-FSDP) needs CUDA (it runs its gathers and reduce-scatters "
+                    "on CUDA streams); on CPU use parallel.fsdp=torch"
+                )
             if self.train.precision == "bf16":
                 raise RecipeError("train.precision: bf16 needs CUDA (the Triton interpreter on CPU is fp32 only)")
             if self.model.attention == "te":

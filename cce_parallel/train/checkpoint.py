@@ -19,6 +19,12 @@ full tensor; data-parallel rank 0 writes the JSON). Loading builds the optimizer
 of the weights and Adam state. DCP reshards on load, so a DDP checkpoint resumes under FSDP and
 an FSDP one under DDP (same tp, pp, dp).
 
+Under Megatron-FSDP (``parallel.fsdp: megatron``) every rank writes ``rank{r}/optim`` only: its
+shards of the fp32 main weights and Adam state as plain tensors (Megatron-FSDP's shards are
+uneven and some are empty, which DTensor's metadata cannot describe without collectives of its
+own). The model's bf16 weights are copies of the main weights and are rebuilt from them on load.
+Such a checkpoint resumes under Megatron-FSDP with the same layout only (checked).
+
 Keys carry the rank coordinates because DCP treats equal keys on several ranks as one replicated
 value: the tensor-parallel shards of a parameter share its name.
 
@@ -70,6 +76,7 @@ from megatron.core import parallel_state
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.tensor import DTensor
 
 from cce_parallel.train.engine import inner_optimizers
 
@@ -224,6 +231,9 @@ def lock_run_dir(run_dir) -> int:
 
 def _encode(obj, key: str, tensors: dict):
     """obj as JSON data; its tensors (and numpy arrays) go into tensors under keys below key."""
+    if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.numel() == 0:
+        # Nothing to store (Megatron-FSDP leaves some ranks empty shards of a parameter).
+        return {"empty": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
     if isinstance(obj, torch.Tensor):
         tensors[key] = obj.detach()
         return {"tensor": key, "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
@@ -254,6 +264,8 @@ def _decode(doc, tensors: dict):
         return doc
     if "tensor" in doc:
         return tensors[doc["tensor"]]
+    if "empty" in doc:
+        return torch.empty(doc["shape"], dtype=_dtype(doc["empty"]))
     if "ndarray" in doc:
         return _decode(doc["ndarray"], tensors).numpy().astype(np.dtype(doc["dtype"]))
     if "tuple" in doc:
@@ -392,21 +404,57 @@ def _load_optimizer_state(optimizer, saved: list[dict]):
             param.copy_(value)
 
 
-def _is_fsdp(engine) -> bool:
-    """Whether the model is under FSDP (its parameters and optimizer state are DTensor shards)."""
+def _fsdp(engine) -> str:
+    """How the model is sharded: "torch" (FSDP2: the parameters and optimizer state are DTensor
+    shards), "megatron" (Megatron-FSDP: likewise, in buffers of its own) or "none"."""
     from megatron.core.distributed import TorchFullyShardedDataParallel
 
-    return any(isinstance(chunk, TorchFullyShardedDataParallel) for chunk in engine.model)
+    for chunk in engine.model:
+        if isinstance(chunk, TorchFullyShardedDataParallel):
+            return "torch"
+        if getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False):
+            return "megatron"
+    return "none"
 
 
-def _init_optimizer_state(optimizer):
+def _local(obj):
+    """obj with every DTensor replaced by this rank's shard (a view of it)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return obj
+
+
+def _restore_local_optimizer_state(optimizer, saved: list[dict]):
+    """Megatron-FSDP: DCP has loaded every tensor of the optimizer in place (into this rank's
+    shards); restore the rest, the param groups' hyperparameters and non-tensor state."""
+    inners = inner_optimizers(optimizer)
+    if len(inners) != len(saved):
+        raise ValueError(f"the checkpoint holds {len(saved)} optimizers, this run has {len(inners)}")
+    for inner, item in zip(inners, saved):
+        saved_dict = item["state_dict"]
+        for group, saved_group in zip(inner.param_groups, saved_dict["param_groups"], strict=True):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        params = [p for group in inner.param_groups for p in group["params"]]
+        for index, entries in saved_dict["state"].items():
+            live = inner.state[params[int(index)]]
+            live.update({k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)})
+
+
+def _init_optimizer_state(optimizer, *, skip_empty: bool = False):
     """Create the state of optimizers that have taken no step yet (zero gradients, lr 0; Adam's
     moments and step are then overwritten by the checkpoint), so that under FSDP their DTensor
-    shards exist for DCP to load into."""
+    shards exist for DCP to load into. skip_empty: not for parameters whose shard on this rank is
+    empty (Megatron-FSDP gives them no gradient, so training gives them no state)."""
     for inner in inner_optimizers(optimizer):
         if inner.state:
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
+        if skip_empty:
+            params = [p for p in params if _local(p).numel() > 0]
         lrs = [group["lr"] for group in inner.param_groups]
         for param in params:
             param.grad = torch.zeros_like(param)
@@ -449,15 +497,19 @@ def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, kee
 
     tensors, docs = {}, {}
     docs[f"rank{rank}/rng"] = _encode(_rng_state(), f"rank{rank}/rng", tensors)
-    # Under FSDP every data-parallel rank holds a shard of each model and optimizer tensor
+    # Under FSDP2 every data-parallel rank holds a shard of each model and optimizer tensor
     # (DTensors: DCP writes each shard once, under the shared key); data-parallel rank 0 writes
-    # the JSON, which records the full shapes.
-    sharded = _is_fsdp(engine)
-    if dp == 0 or sharded:
+    # the JSON, which records the full shapes. Under Megatron-FSDP every rank writes its own
+    # optimizer shards (main weights included) as plain tensors; the model's bf16 weights are
+    # copies of those main weights, rebuilt on load.
+    fsdp = _fsdp(engine)
+    sharded = fsdp == "torch"
+    if (dp == 0 or sharded) and fsdp != "megatron":
         tensors.update(_model_state(engine, tp, pp))
     if dp == 0 or sharded or _is_distributed_optimizer(engine.optimizer):
         key = _optim_key(engine.optimizer, tp, pp, rank)
-        doc = _encode(_optimizer_state(engine.optimizer), key, tensors)
+        optim_state = _optimizer_state(engine.optimizer)
+        doc = _encode(_local(optim_state) if fsdp == "megatron" else optim_state, key, tensors)
         if dp == 0 or not sharded:
             docs[key] = doc
     for key, doc in docs.items():
@@ -503,6 +555,14 @@ def load(path, *, engine, layout: dict) -> dict:
             f"checkpoint {path} was written with tp={saved.get('tp')} pp={saved.get('pp')} dp={saved.get('dp')}; "
             f"this run has tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}. Resuming needs the same layout"
         )
+    fsdp = _fsdp(engine)
+    saved_fsdp = meta.get("recipe", {}).get("parallel", {}).get("fsdp", "none")
+    if (saved_fsdp == "megatron") != (fsdp == "megatron"):
+        raise ValueError(
+            f"checkpoint {path} was written with parallel.fsdp={saved_fsdp}; this run has parallel.fsdp={fsdp}. "
+            "A Megatron-FSDP checkpoint holds each rank's own shards: it resumes under Megatron-FSDP only, "
+            "and Megatron-FSDP resumes from its own checkpoints only"
+        )
     tp, pp, _dp = _coords()
     rank = dist.get_rank()
     rng_key, optim_key = f"rank{rank}/rng", _optim_key(engine.optimizer, tp, pp, rank)
@@ -514,21 +574,40 @@ def load(path, *, engine, layout: dict) -> dict:
             raise CheckpointError(f"{path / _json_name(key)} is unreadable ({err})") from None
     # DCP loads in place into a template of the same keys: the model's own state dict (every data-
     # parallel rank reads the copy data-parallel rank 0 wrote) and empty tensors shaped as saved.
-    state = _model_state(engine, tp, pp)
-    if _is_fsdp(engine):
-        # DTensor shards to load into: the optimizer's own state (DCP loads in place), then the
-        # saved document's tensor entries resolve to them.
-        _init_optimizer_state(engine.optimizer)
-        _encode(_optimizer_state(engine.optimizer), optim_key, state)
+    state = _model_state(engine, tp, pp) if fsdp != "megatron" else {}
+    if fsdp != "none":
+        # Shards to load into: the optimizer's own state (DCP loads in place), then the saved
+        # document's tensor entries resolve to them.
+        _init_optimizer_state(engine.optimizer, skip_empty=fsdp == "megatron")
+        live = _optimizer_state(engine.optimizer)
+        if fsdp == "megatron":
+            mine = {}
+            _encode(_local(live), optim_key, mine)
+            saved_keys = set(_templates(docs[optim_key], {}))
+            if set(mine) != saved_keys:
+                raise CheckpointError(
+                    f"{path / _json_name(optim_key)}: the optimizer state does not match this rank's shards "
+                    f"({len(saved_keys)} tensors saved, {len(mine)} here)"
+                )
+            state.update(mine)
+        else:
+            _encode(live, optim_key, state)
     for doc in docs.values():
         _templates(doc, state)
     dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnly())
     for i, chunk in enumerate(engine.model):
+        if fsdp == "megatron":
+            chunk.module.install_optimized_model_weights()  # fp32 main weights -> bf16 weights
+            continue
         prefix, module = f"tp{tp}_pp{pp}/model/{i}/", _unwrap(chunk)
         own = module.state_dict()  # with its None entries
         own.update({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         module.load_state_dict(own)
-    _load_optimizer_state(engine.optimizer, _decode(docs[optim_key], state))
+    saved_optimizer = _decode(docs[optim_key], state)
+    if fsdp == "megatron":
+        _restore_local_optimizer_state(engine.optimizer, saved_optimizer)
+    else:
+        _load_optimizer_state(engine.optimizer, saved_optimizer)
     engine.scheduler.load_state_dict(meta["scheduler"])
     _set_rng_state(_decode(docs[rng_key], state))
     dist.barrier()

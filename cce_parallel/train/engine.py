@@ -15,17 +15,19 @@ decay on biases and norms. Both paths use megatron-core's ``OptimizerParamSchedu
 
 With ``parallel.fsdp: torch`` both paths wrap the model in megatron-core's
 ``TorchFullyShardedDataParallel`` (PyTorch FSDP2, see ``torch_fsdp``) instead of DDP / LocalDDP;
-the optimizers then hold DTensor shards of the parameters and their states.
+the optimizers then hold DTensor shards of the parameters and their states. With
+``parallel.fsdp: megatron`` (CUDA) the model goes into Megatron-FSDP instead (``megatron_fsdp``).
 """
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 
 import torch
 from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from cce_parallel.config import Recipe
+from cce_parallel.config import Recipe, RecipeError
 
 
 @dataclasses.dataclass
@@ -100,6 +102,8 @@ def _megatron(recipe: Recipe, model, config, dtype):
         model = Float16Module(config, model)
     if p.fsdp == "torch":
         chunks = [torch_fsdp(recipe, model, config)]
+    elif p.fsdp == "megatron":
+        chunks = [megatron_fsdp(model, config)]
     else:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -118,7 +122,9 @@ def _megatron(recipe: Recipe, model, config, dtype):
         clip_grad=o.clip_grad,
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
-        use_distributed_optimizer=p.distributed_optimizer,
+        # Megatron-FSDP's shards are updated (and copied back into the bf16 weights) by the
+        # distributed optimizer only.
+        use_distributed_optimizer=p.distributed_optimizer or p.fsdp == "megatron",
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
     if o.fused:
@@ -169,6 +175,36 @@ def torch_fsdp(recipe: Recipe, model: torch.nn.Module, config):
         return _TorchFSDP(config, fsdp_config, model, sub_modules_to_wrap=units)
     finally:
         wrapper_module.DeviceMesh = mesh_class
+
+
+def megatron_fsdp(model: torch.nn.Module, config):
+    """The (Float16Module-wrapped, CUDA) model under megatron-core's Megatron-FSDP, ZeRO-3
+    (``optim_grads_params``): every TransformerLayer a unit whose bf16 weights are gathered for its
+    forward and backward and released after; the rest (embedding, tied or not, final norm and the
+    output layer) is gathered from the forward until the gradients are reduced, so the CCE output
+    layer reads its whole tensor-parallel shard as a plain tensor. Gradients are reduce-scattered
+    in fp32 into fp32 shards, the optimizer updates fp32 main-weight shards and copies them into
+    the bf16 weights. Tensor-parallel placements come from the parameters' megatron attributes
+    (the output layer's are ColumnParallelLinear's). Gradient-accumulation fusion stays off (see
+    model.py): Megatron-FSDP takes the output layer's gradient from .grad."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    if importlib.util.find_spec("einops") is None:
+        raise RecipeError("parallel.fsdp: megatron needs einops (pip install einops; the megatron extra has it)")
+    # fp32 gradient shards: 0.16 reads grad_reduce_in_fp32, 0.19 its own main-grads dtype (bf16 by default).
+    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    grads = {"megatron_fsdp_main_grads_dtype": torch.float32} if "megatron_fsdp_main_grads_dtype" in fields else {}
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        grad_reduce_in_fp32=True,
+        **grads,
+    )
+    return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
 class _TorchFSDP(TorchFullyShardedDataParallel):

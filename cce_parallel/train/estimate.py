@@ -11,10 +11,12 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
 - weights P · (2 in bf16, 4 in fp32); gradients P · 4 (Megatron reduces them in fp32);
 - Adam: P · 12 with bf16 (fp32 main weights + two moments), P · 8 with fp32, / dp with the
   distributed optimizer;
-- with parallel.fsdp (FSDP2): weights, gradients and Adam state / dp; the gradients are shards in
-  the compute dtype plus, with bf16, the optimizer's fp32 copies, P · (2 + 4) / dp; plus the
-  weights FSDP gathers, in the compute dtype: the root unit (final norm, output layer, and a tied
-  embedding, held from the forward to the backward) and two layers (one computing, one prefetched);
+- with parallel.fsdp: weights, gradients and Adam state / dp, plus the weights FSDP gathers, in
+  the compute dtype: the root unit (final norm, output layer, and a tied embedding, held from the
+  forward to the backward; under Megatron-FSDP an untied embedding too) and two layers (one
+  computing, one prefetched). The gradients: under FSDP2 shards in the compute dtype plus, with
+  bf16, the optimizer's fp32 copies, P · (2 + 4) / dp; under Megatron-FSDP fp32 shards, P · 4 / dp,
+  plus fp32 buckets for the gathered units' gradients;
 - activations per layer and micro-batch, Korthikanti et al. (2022) with flash-style attention
   (no s² term): s·b·h·(10 + 24/tp) · 2 bytes, or s·b·h·34/tp with sequence parallelism; times the
   stage's layers and the micro-batches in flight (pp on the first stage under 1F1B). Approximate.
@@ -92,11 +94,12 @@ def _build_stage(recipe: Recipe, *, rank: int, world: int, device: str, dtype, v
         embedding = sum(
             prm.numel() for name, prm in model.named_parameters() if "word_embeddings" in name or "output_layer" in name
         )
-        # FSDP units (engine.torch_fsdp): each layer, the embedding unless tied, the root (the rest).
+        # FSDP units: each layer; for FSDP2 (engine.torch_fsdp) also the embedding unless tied;
+        # the root (the rest).
         layers = model.decoder.layers
         layer_params = max((sum(prm.numel() for prm in layer.parameters()) for layer in layers), default=0)
         root = local - sum(prm.numel() for layer in layers for prm in layer.parameters())
-        if model.pre_process and not recipe.model.tie_embeddings:
+        if model.pre_process and not recipe.model.tie_embeddings and p.fsdp == "torch":
             root -= sum(prm.numel() for prm in model.embedding.parameters())
         return {"rank": rank, "params_local": local, "params_stage": stage, "embedding_local": embedding,
                 "fsdp_gathered": root + 2 * layer_params if p.fsdp != "none" else 0,
@@ -147,6 +150,8 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
         if p.fsdp != "none":
             weights = P * width / dp + stage["fsdp_gathered"] * width
             grads = P * (width + (4 if width == 2 else 0)) / dp
+            if p.fsdp == "megatron":  # fp32 shards, and fp32 buckets of the gathered units' gradients
+                grads = (P / dp + stage["fsdp_gathered"]) * 4
             optimizer = P * (12 if width == 2 else 8) / dp
         in_flight = min(p.pipeline - index, accumulation) if p.pipeline > 1 else 1
         activations = activation_bytes(recipe, layers=stage["layers"], in_flight=in_flight, width=width)

@@ -75,7 +75,14 @@ def prepare_environment(recipe: Recipe, device: str):
         # All ranks of a CPU run are on this host: gloo over loopback, whatever the hostname resolves to.
         if os.path.exists("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if device == "cuda":
+    if device == "cuda" and recipe.parallel.fsdp == "megatron":
+        # Megatron-FSDP overlaps its gathers and reduce-scatters with compute on side streams,
+        # which one hardware queue would serialize; Megatron-LM refuses the setting with it.
+        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            warnings.warn("parallel.fsdp=megatron: CUDA_DEVICE_MAX_CONNECTIONS=1 (launch/env.sh, the image) is "
+                          "dropped for this run; Megatron-FSDP needs more than one hardware queue")
+            del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
+    elif device == "cuda":
         # Megatron-LM's setting: one hardware queue, so that tensor-parallel communication issued
         # before a GEMM is scheduled before it (megatron warns without it).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

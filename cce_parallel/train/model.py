@@ -35,8 +35,10 @@ def have_grad_accumulation_fusion() -> bool:
 
 def grad_accumulation_fusion(recipe: Recipe, *, cpu_init: bool) -> bool:
     """Whether the job's linear layers (and the CCE output layer) add weight gradients into an fp32
-    main_grad: apex's extension installed, GPU initialization, and no FSDP2 (which gives its
-    parameters no main_grad buffer to accumulate into)."""
+    main_grad: apex's extension installed, GPU initialization, and no FSDP (FSDP2 gives its
+    parameters no main_grad buffer; megatron-core 0.19's Megatron-FSDP allows the fusion only with
+    Transformer Engine >= 2.10, and with a tied embedding the fused path would drop the lookup's
+    gradient, as Megatron-FSDP ignores zero_out_wgrad)."""
     return have_grad_accumulation_fusion() and not cpu_init and recipe.parallel.fsdp == "none"
 
 

@@ -81,6 +81,46 @@ def test_encoded_state_keeps_tensor_data_out_of_json():
         checkpoint._encode({"k": object()}, "x", {})
 
 
+def test_megatron_fsdp_checkpoints_resume_under_megatron_fsdp_only(two_checkpoints):
+    """Megatron-FSDP's checkpoints hold each rank's own shards: a DDP checkpoint must not load
+    into a Megatron-FSDP run (nor the reverse, by the same check), with an error naming both."""
+    from types import SimpleNamespace
+
+    from cce_parallel.train import checkpoint
+
+    run_dir, _ = two_checkpoints
+    path = run_dir / "checkpoints" / "step_0000004"
+    layout = checkpoint.read_meta(path)["layout"]
+    engine = SimpleNamespace(model=[SimpleNamespace(ddp_config=SimpleNamespace(use_megatron_fsdp=True))])
+    with pytest.raises(ValueError, match="parallel.fsdp=none; this run has parallel.fsdp=megatron"):
+        checkpoint.load(path, engine=engine, layout=layout)
+
+
+def test_empty_shards_and_dtensors_encode():
+    """Megatron-FSDP leaves some ranks empty shards: they are written into the JSON (dtype and
+    shape), not handed to DCP; _local turns DTensors into this rank's shard (a view)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from cce_parallel.train import checkpoint
+
+    tensors = {}
+    doc = checkpoint._encode({"w": torch.empty(0, 8, dtype=torch.bfloat16), "m": torch.ones(3)}, "x", tensors)
+    assert sorted(tensors) == ["x/m"]
+    back = checkpoint._decode(json.loads(json.dumps(doc)), tensors)
+    assert back["w"].shape == (0, 8) and back["w"].dtype == torch.bfloat16
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        full = torch.arange(12.0).reshape(4, 3)
+        d = distribute_tensor(full, init_device_mesh("cpu", (1,)), [Shard(0)])
+        local = checkpoint._local({"s": [d, 5]})
+        assert type(local["s"][0]) is torch.Tensor and local["s"][1] == 5
+        assert local["s"][0].data_ptr() == d.to_local().data_ptr()
+    finally:
+        dist.destroy_process_group()
+
+
 def _truncate(path):
     shard = path / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])

@@ -1,8 +1,11 @@
-"""parallel.fsdp=torch in the train job, on CPU over gloo: PyTorch FSDP2 through megatron-core's
+"""parallel.fsdp in the train job, on CPU over gloo (Megatron-FSDP, CUDA only, is in
+test_fsdp_gpu.py; here its recipe rules and --dry-run): PyTorch FSDP2 through megatron-core's
 TorchFullyShardedDataParallel trains the tiny recipe as DDP does (with TP=2, gradient
 accumulation and the tied embedding; and untied), a killed FSDP run resumes bitwise from its
 sharded checkpoint, the unsupported combinations are rejected naming the keys, and --dry-run
 reports the sharded per-rank memory."""
+
+import os
 
 import pytest
 import torch
@@ -27,7 +30,11 @@ def _column(metrics, key, steps):
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["parallel.fsdp=megatron"], "parallel.fsdp: megatron (Megatron-FSDP) is not supported"),
+        (["parallel.fsdp=megatron", "parallel.pipeline=2"], "parallel.pipeline=2"),
+        (
+            ["parallel.fsdp=megatron", "parallel.distributed_optimizer=true"],
+            "parallel.distributed_optimizer=true",
+        ),
         (
             ["parallel.fsdp=torch", "parallel.distributed_optimizer=true"],
             "parallel.distributed_optimizer=true",
@@ -69,6 +76,41 @@ def test_dry_run_shards_weights_grads_and_adam_over_dp():
     # embedding, its unit's other weight); untied, the output layer's own (the embedding is a unit).
     assert gathered > fsdp["vocab"] // 2 * 768
     assert gathered - untied["stages"][0]["fsdp_gathered"] == 1024 * 768  # gpt2's position embedding
+
+
+def test_megatron_fsdp_needs_cuda():
+    from cce_parallel.train.estimate import dry_run
+
+    recipe = load_recipe(None, ["parallel.fsdp=megatron", "parallel.tensor=1"])
+    with pytest.raises(RecipeError, match="parallel.fsdp: megatron .*needs CUDA.*parallel.fsdp=torch"):
+        recipe.check_world(2, "cpu")
+    with pytest.raises(RecipeError, match="needs CUDA"):
+        dry_run(recipe, world_size=2, device="cpu", quiet=True)
+
+
+def test_dry_run_megatron_fsdp():
+    """Megatron-FSDP: the same shards as FSDP2, fp32 gradient shards plus fp32 buckets of the
+    gathered units, and an untied embedding stays in the root unit (not a unit of its own)."""
+    from cce_parallel.train.estimate import dry_run
+
+    path = ROOT / "recipes" / "gpt2-small-owt.yaml"
+    base = ["parallel.tensor=2", "parallel.distributed_optimizer=false", "parallel.overlap_grad_reduce=false"]
+    ddp = dry_run(load_recipe(path, base), world_size=8, quiet=True)["memory"][0]
+    torch_untied = dry_run(
+        load_recipe(path, base + ["parallel.fsdp=torch", "model.tie_embeddings=false"]), world_size=8, quiet=True
+    )
+    mfsdp = dry_run(
+        load_recipe(path, base + ["parallel.fsdp=megatron", "model.tie_embeddings=false"]), world_size=8, quiet=True
+    )
+    stage, mem = mfsdp["stages"][0], mfsdp["memory"][0]
+    P, gathered = stage["params_local"], stage["fsdp_gathered"]
+    assert mem["optimizer"] == pytest.approx(P * 12 / 4)  # fp32 main weights and two moments, sharded
+    assert mem["grads"] == pytest.approx((P / 4 + gathered) * 4)
+    assert mem["weights"] == pytest.approx(P * 2 / 4 + gathered * 2)
+    # the untied embedding (word [V/tp, h] and gpt2's position embedding) is gathered with the root
+    # here; FSDP2 makes it a unit of its own
+    assert gathered - torch_untied["stages"][0]["fsdp_gathered"] == (mfsdp["vocab"] // 2 + 1024) * 768
+    assert mem["total_cce"] < ddp["total_cce"]
 
 
 # -- training runs --------------------------------------------------------------------------------
@@ -250,3 +292,20 @@ def test_megatron_engine_fsdp_matches_ddp_and_resumes(tmp_path, tiny_data):
     assert [x[0] for x in fsdp["losses"]] == pytest.approx([x[0] for x in ddp["losses"]], rel=1e-3)
     assert fsdp["losses"][4][0] < fsdp["losses"][0][0] - 0.3
     assert fsdp["resumed"] == fsdp["losses"][3:]
+
+
+@pytest.mark.parametrize("fsdp", ["megatron", "torch"])
+def test_megatron_fsdp_drops_one_hardware_queue(fsdp, monkeypatch):
+    """launch/env.sh and the image set CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron's TP overlap);
+    Megatron-FSDP needs more queues for its side streams: dropped with a warning, for it only."""
+    from cce_parallel.train import launch
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    recipe = load_recipe(None, [f"parallel.fsdp={fsdp}", "parallel.tensor=1"])
+    if fsdp == "megatron":
+        with pytest.warns(UserWarning, match="CUDA_DEVICE_MAX_CONNECTIONS=1 .* dropped"):
+            launch.prepare_environment(recipe, "cuda")
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    else:
+        launch.prepare_environment(recipe, "cuda")
+        assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
