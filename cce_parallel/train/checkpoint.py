@@ -385,19 +385,28 @@ def _is_distributed_optimizer(optimizer) -> bool:
     return any(type(m).__name__ == "DistributedOptimizer" for m in members)
 
 
-def _optimizer_state(optimizer) -> list[dict]:
-    return [
+def _optimizer_state(optimizer, fsdp: str = "none") -> list[dict]:
+    """What the checkpoint holds of the optimizer: its torch optimizers' state dicts and main
+    weights; under Megatron-FSDP (fsdp="megatron") this rank's shards of them, as plain tensors."""
+    state = [
         {"state_dict": inner.state_dict(),
          "main_params": [p.detach() for group in inner.param_groups for p in group["params"]]}
         for inner in inner_optimizers(optimizer)
     ]
+    return _local(state) if fsdp == "megatron" else state
 
 
-def _load_optimizer_state(optimizer, saved: list[dict]):
+def _load_optimizer_state(optimizer, saved: list[dict], *, loaded_in_place: bool = False):
+    """Restore the saved optimizer state. loaded_in_place (Megatron-FSDP): DCP has already loaded
+    every tensor into this rank's shards; only the param groups' hyperparameters and non-tensor
+    state remain (load_state_dict would replace the DTensor states by the plain shards)."""
     inners = inner_optimizers(optimizer)
     if len(inners) != len(saved):
         raise ValueError(f"the checkpoint holds {len(saved)} optimizers, this run has {len(inners)}")
     for inner, item in zip(inners, saved):
+        if loaded_in_place:
+            _restore_untensored(inner, item["state_dict"])
+            continue
         inner.load_state_dict(item["state_dict"])
         params = [p for group in inner.param_groups for p in group["params"]]
         for param, value in zip(params, item["main_params"], strict=True):
@@ -428,20 +437,14 @@ def _local(obj):
     return obj
 
 
-def _restore_local_optimizer_state(optimizer, saved: list[dict]):
-    """Megatron-FSDP: DCP has loaded every tensor of the optimizer in place (into this rank's
-    shards); restore the rest, the param groups' hyperparameters and non-tensor state."""
-    inners = inner_optimizers(optimizer)
-    if len(inners) != len(saved):
-        raise ValueError(f"the checkpoint holds {len(saved)} optimizers, this run has {len(inners)}")
-    for inner, item in zip(inners, saved):
-        saved_dict = item["state_dict"]
-        for group, saved_group in zip(inner.param_groups, saved_dict["param_groups"], strict=True):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-        params = [p for group in inner.param_groups for p in group["params"]]
-        for index, entries in saved_dict["state"].items():
-            live = inner.state[params[int(index)]]
-            live.update({k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)})
+def _restore_untensored(inner, saved_dict: dict):
+    """The param groups' hyperparameters and the non-tensor state of a torch optimizer."""
+    for group, saved_group in zip(inner.param_groups, saved_dict["param_groups"], strict=True):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    params = [p for group in inner.param_groups for p in group["params"]]
+    for index, entries in saved_dict["state"].items():
+        plain = {k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)}
+        inner.state[params[int(index)]].update(plain)
 
 
 def _init_optimizer_state(optimizer, *, skip_empty: bool = False):
@@ -508,8 +511,7 @@ def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, kee
         tensors.update(_model_state(engine, tp, pp))
     if dp == 0 or sharded or _is_distributed_optimizer(engine.optimizer):
         key = _optim_key(engine.optimizer, tp, pp, rank)
-        optim_state = _optimizer_state(engine.optimizer)
-        doc = _encode(_local(optim_state) if fsdp == "megatron" else optim_state, key, tensors)
+        doc = _encode(_optimizer_state(engine.optimizer, fsdp), key, tensors)
         if dp == 0 or not sharded:
             docs[key] = doc
     for key, doc in docs.items():
@@ -559,7 +561,8 @@ def load(path, *, engine, layout: dict) -> dict:
     saved_fsdp = meta.get("recipe", {}).get("parallel", {}).get("fsdp", "none")
     if (saved_fsdp == "megatron") != (fsdp == "megatron"):
         raise ValueError(
-            f"checkpoint {path} was written with parallel.fsdp={saved_fsdp}; this run has parallel.fsdp={fsdp}. "
+            f"checkpoint {path} was written with parallel.fsdp={saved_fsdp}; "
+            f"this run has parallel.fsdp={fsdp}. "
             "A Megatron-FSDP checkpoint holds each rank's own shards: it resumes under Megatron-FSDP only, "
             "and Megatron-FSDP resumes from its own checkpoints only"
         )
@@ -579,10 +582,10 @@ def load(path, *, engine, layout: dict) -> dict:
         # Shards to load into: the optimizer's own state (DCP loads in place), then the saved
         # document's tensor entries resolve to them.
         _init_optimizer_state(engine.optimizer, skip_empty=fsdp == "megatron")
-        live = _optimizer_state(engine.optimizer)
+        live = _optimizer_state(engine.optimizer, fsdp)
         if fsdp == "megatron":
             mine = {}
-            _encode(_local(live), optim_key, mine)
+            _encode(live, optim_key, mine)
             saved_keys = set(_templates(docs[optim_key], {}))
             if set(mine) != saved_keys:
                 raise CheckpointError(
@@ -604,10 +607,7 @@ def load(path, *, engine, layout: dict) -> dict:
         own.update({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         module.load_state_dict(own)
     saved_optimizer = _decode(docs[optim_key], state)
-    if fsdp == "megatron":
-        _restore_local_optimizer_state(engine.optimizer, saved_optimizer)
-    else:
-        _load_optimizer_state(engine.optimizer, saved_optimizer)
+    _load_optimizer_state(engine.optimizer, saved_optimizer, loaded_in_place=fsdp == "megatron")
     engine.scheduler.load_state_dict(meta["scheduler"])
     _set_rng_state(_decode(docs[rng_key], state))
     dist.barrier()

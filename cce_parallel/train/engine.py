@@ -191,10 +191,13 @@ def megatron_fsdp(model: torch.nn.Module, config):
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
     if importlib.util.find_spec("einops") is None:
-        raise RecipeError("parallel.fsdp: megatron needs einops (pip install einops; the megatron extra has it)")
+        raise RecipeError(
+            "parallel.fsdp: megatron needs einops (pip install einops; the megatron extra has it)"
+        )
     # fp32 gradient shards: 0.16 reads grad_reduce_in_fp32, 0.19 its own main-grads dtype (bf16 by default).
     fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
-    grads = {"megatron_fsdp_main_grads_dtype": torch.float32} if "megatron_fsdp_main_grads_dtype" in fields else {}
+    name = "megatron_fsdp_main_grads_dtype"
+    grads = {name: torch.float32} if name in fields else {}
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy="optim_grads_params",

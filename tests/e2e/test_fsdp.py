@@ -97,10 +97,14 @@ def test_dry_run_megatron_fsdp():
     base = ["parallel.tensor=2", "parallel.distributed_optimizer=false", "parallel.overlap_grad_reduce=false"]
     ddp = dry_run(load_recipe(path, base), world_size=8, quiet=True)["memory"][0]
     torch_untied = dry_run(
-        load_recipe(path, base + ["parallel.fsdp=torch", "model.tie_embeddings=false"]), world_size=8, quiet=True
+        load_recipe(path, base + ["parallel.fsdp=torch", "model.tie_embeddings=false"]),
+        world_size=8,
+        quiet=True,
     )
     mfsdp = dry_run(
-        load_recipe(path, base + ["parallel.fsdp=megatron", "model.tie_embeddings=false"]), world_size=8, quiet=True
+        load_recipe(path, base + ["parallel.fsdp=megatron", "model.tie_embeddings=false"]),
+        world_size=8,
+        quiet=True,
     )
     stage, mem = mfsdp["stages"][0], mfsdp["memory"][0]
     P, gathered = stage["params_local"], stage["fsdp_gathered"]
