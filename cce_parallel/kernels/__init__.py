@@ -9,8 +9,8 @@ from cce_parallel.kernels.from_logits import (
     stats_slices,
 )
 from cce_parallel.kernels.probs_gemm import logits_probs
-from cce_parallel.kernels.scaled import scaled_copy
-from cce_parallel.kernels.target_rows import add_rows_summed
+from cce_parallel.kernels.scaled import scale_, scaled_copy
+from cce_parallel.kernels.target_rows import add_rows_summed, scale_sub_rows
 
 __all__ = [
     "KernelConfig",
@@ -20,6 +20,8 @@ __all__ = [
     "dz_rows_in_place",
     "grad_scale",
     "logits_probs",
+    "scale_",
+    "scale_sub_rows",
     "scaled_copy",
     "stats_from_logits",
     "stats_slices",

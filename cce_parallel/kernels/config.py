@@ -96,12 +96,17 @@ def default_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
     """The fixed defaults for a device and input dtype; the environment variable
     CCE_PARALLEL_KERNEL_CONFIG (a JSON object of field overrides, e.g. '{"bwd_block_n": 128}')
     replaces any field."""
+    return _config(device, dtype, os.environ.get(_ENV_OVERRIDE))
+
+
+@functools.lru_cache(maxsize=None)
+def _config(device: torch.device, dtype: torch.dtype, text) -> KernelConfig:
+    # Cached: building and validating the dataclass costs the host more than a kernel launch.
     if device.type != "cuda":
         cfg = INTERPRETER_CONFIG
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         cfg = replace(KernelConfig(), fwd_programs=4 * sms, probs_programs=sms)
-        if dtype == torch.float32:
-            cfg = replace(cfg, probs_block_d=32, probs_num_stages=2)  # fp32 operands: 4 stages overflow shared memory
-    text = os.environ.get(_ENV_OVERRIDE)
+        if dtype == torch.float32:  # fp32 operands: 4 stages overflow shared memory
+            cfg = replace(cfg, probs_block_d=32, probs_num_stages=2)
     return replace(cfg, **_env_override(text)) if text else cfg

@@ -16,7 +16,7 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   whole local vocabulary fit `logits_budget` (in the input dtype). Per block: the fused GEMM writes
   W = exp(z - ref) of X = E_b C^T and per-row sums; those (and, under tensor parallelism, their
   all-reduce) give lse and the loss; per-row scalars make W the logit gradient G, for g =
-  grad_scale on every token; then dE_b = G C and dC += G^T E_b. That is three
+  grad_scale on every kept token (0 on ignored ones); then dE_b = G C and dC += G^T E_b. That is three
   logit-sized GEMMs in all, the fewest an exact method needs. The backward only scales these by
   the upstream gradient g / grad_scale, which is exact when g is one number over the kept tokens
   (reduction mean or sum, or Megatron's loss_mask / count with the mask folded into ignore_index).
@@ -30,19 +30,20 @@ Accumulation: dE is summed in fp32 over the vocabulary (and over tensor-parallel
 token blocks in fp32 (added into Megatron's main_grad at backward where there is one), each rounded
 once. Summing dC in bf16 over the blocks, as the paper's CCE does, would save V x D x 2 bytes but
 measured worse than plain bf16 PyTorch (README, "Accuracy"); from one block (no sum over blocks)
-the dC GEMM writes bf16 directly, the target rows rounded once more (kernels/target_rows.py). Nothing is filtered: on realistic data
-block sparsity is too low for skipping to pay (README, "Gradient filtering"). Everything is
+the dC GEMM writes bf16 directly, the target rows rounded once more (kernels/target_rows.py).
+Nothing is filtered: on realistic data block sparsity is too low for skipping to pay (README,
+"Gradient filtering"). Everything is
 deterministic: library GEMMs and kernels without atomics.
 
 Under tensor parallelism each rank holds a shard of the vocabulary. Per token (block), the ranks
 combine their max with one all-reduce (MAX) and their rescaled sums, target logits and logit sums
 with one more (SUM); dE is a partial sum, reduced in fp32; dC / dbias stay local. Inputs here are
-already validated and flattened to [N, D] (ops/functional.py does that); ignored tokens are
-dropped inside the Function, before any kernel. This module never imports torch.distributed:
-parallel/ passes in the collectives.
+already validated and flattened to [N, D] (ops/functional.py does that). Ignored tokens go
+through the kernels with zero weight rather than being removed first: removing them needs their
+count on the host, a sync that leaves the GPU idle while the host prepares the launches. This
+module never imports torch.distributed: parallel/ passes in the collectives.
 """
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -78,9 +79,7 @@ class LossConfig:
     PyTorch path. logits_budget: bytes of the one-pass path's logits buffer per token block, for
     the largest shard of any rank (block_vocab).
     one_pass: take it (a gradient is needed, the budget is > 0, the Triton path). need_de / need_dc /
-    need_db: which inputs need a gradient. grad_scale: the one-pass gradients are those of
-    grad_scale * per-token loss (1 / kept tokens for reduction "mean", so that the usual upstream
-    gradient leaves nothing to rescale).
+    need_db: which inputs need a gradient.
     """
 
     impl: str
@@ -96,7 +95,6 @@ class LossConfig:
     need_de: bool = True
     need_dc: bool = True
     need_db: bool = True
-    grad_scale: float = 1.0
 
     @property
     def traits(self) -> ImplTraits:
@@ -258,8 +256,9 @@ def _stats_of_block(x, bias, targets, cfg, comm):
 # the one-pass path
 
 
-def one_pass(e, c, bias, targets, cfg: LossConfig, comm, *, main_grad: bool = False):
-    """(lse, zt, zsum, dE, dC, dbias) with the gradients of grad_scale * per-token loss: dE the fp32
+def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: bool = False):
+    """(lse, zt, zsum, dE, dC, dbias) with the gradients of sum_t g_rows[t] * loss[t] (g_rows: fp32
+    [n], the kept tokens' grad_scale, 0 at ignored ones, whose gradients are thus 0): dE the fp32
     partial sum over this rank's vocabulary, dbias fp32, dC fp32 (in c's dtype when one GEMM makes
     it, see dc_dtype below, unless it goes into an fp32 `main_grad`); None where not needed. See
     the module docstring.
@@ -307,6 +306,14 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm, *, main_grad: bool = Fa
     csum = c.sum(dim=0, dtype=torch.float32) if fused and uniform and de is not None else None
     u_rows = torch.zeros(d, **f32) if fused and uniform and dc is not None else None
     buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
+    # The two-pass variant's fp16 logit gradients are stored times a power of two that brings the
+    # largest per-token weight (grad_scale) near 1: one scale for all blocks, divided out at the end.
+    if fused:
+        scale = None
+    elif e.dtype == torch.float16:
+        scale = torch.exp2(-torch.floor(torch.log2(g_rows.max().clamp(min=2.0 ** -126)))).reshape(1)
+    else:
+        scale = torch.ones(1, **f32)
     for t0 in range(0, n, nt):
         rows = slice(t0, min(n, t0 + nt))
         x = buf[: rows.stop - t0, :v]
@@ -320,7 +327,7 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm, *, main_grad: bool = Fa
             if zsum is not None:
                 zsum[rows] = zs
             target_term = _fused_products(
-                w_mat, torch.exp(ref - m) / s_all, e_b, c, t_b, cfg, lse[rows], zt[rows],
+                w_mat, torch.exp(ref - m) / s_all, e_b, c, t_b, g_rows[rows], cfg, lse[rows], zt[rows],
                 de[rows] if de is not None else None, dc, db, csum, u_rows, first=t0 == 0,
             )
             continue
@@ -329,9 +336,13 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm, *, main_grad: bool = Fa
         lse[rows] = m + torch.log(se)
         if zsum is not None:
             zsum[rows] = zs
-        _two_pass_products(x, e_b, c, bias, t_b, cfg, lse[rows],
+        _two_pass_products(x, e_b, c, bias, t_b, g_rows[rows], scale, cfg, lse[rows],
                            de[rows] if de is not None else None, dc, db, first=t0 == 0)
     del buf
+    if e.dtype == torch.float16 and not fused:
+        for t in (de, dc, db):  # the products' power-of-two scale, divided out once (exact)
+            if t is not None:
+                t.div_(scale)
     if dc is not None and dc.dtype != torch.float32:
         # One block: its target term, each target row's sum in fp32, rounded into dC once.
         cols, b = target_term
@@ -341,15 +352,16 @@ def one_pass(e, c, bias, targets, cfg: LossConfig, comm, *, main_grad: bool = Fa
     return lse, zt, zsum, de, dc, db
 
 
-def _fused_products(w_mat, r_over_s, e, c, targets, cfg, lse, zt, de_rows, dc, db, csum, u_rows, *, first):
+def _fused_products(w_mat, r_over_s, e, c, targets, g_rows, cfg, lse, zt, de_rows, dc, db, csum, u_rows, *,
+                    first):
     """dE rows, dC and dbias of one block from W (see one_pass): the gradient is w W - B' [target] - U
     with w = A r / S per token (r_over_s). The target term stays out of W: rounded into W's target entry it would
     lose 2^-9 of what is, for an untrained model, most of each row's gradient. It is added in fp32
     from the target rows of C and E instead (index_put_ with accumulate is deterministic); into a
     dC in c's dtype by the caller, who gets (target rows, B' [k, 1]) back."""
-    k = e.shape[0]
-    f32 = dict(device=e.device, dtype=torch.float32)
-    a, b, u = coefficients(torch.full((k,), cfg.grad_scale, **f32), None, lse, cfg)
+    from cce_parallel import kernels
+
+    a, b, u = coefficients(g_rows, None, lse, cfg)
     w = a * r_over_s
     v = c.shape[0]
     here = (targets >= 0) & (targets < v)
@@ -359,7 +371,7 @@ def _fused_products(w_mat, r_over_s, e, c, targets, cfg, lse, zt, de_rows, dc, d
     cols = targets.clamp(0, v - 1)
     if de_rows is not None:
         _mm_into(de_rows, w_mat, c, accumulate=False)
-        de_rows.mul_(w[:, None]).addcmul_(b, c.index_select(0, cols), value=-1.0)
+        kernels.scale_sub_rows(de_rows, w, b[:, 0], c, cols)
         if u is not None:
             de_rows.addr_(u, csum, alpha=-1.0)
     if dc is not None:
@@ -377,26 +389,21 @@ def _fused_products(w_mat, r_over_s, e, c, targets, cfg, lse, zt, de_rows, dc, d
     return cols, b
 
 
-def _two_pass_products(x, e, c, bias, targets, cfg, lse, de_rows, dc, db, *, first):
-    """dE rows, dC and dbias of one block whose lse is known: the logit gradient in place, then GEMMs."""
+def _two_pass_products(x, e, c, bias, targets, g_rows, scale, cfg, lse, de_rows, dc, db, *, first):
+    """dE rows, dC and dbias of one block whose lse is known, times `scale` (fp32 [1]): the logit
+    gradient in place, then GEMMs."""
     from cce_parallel import kernels
 
-    k = e.shape[0]
-    f32 = dict(device=e.device, dtype=torch.float32)
-    a, b, u = coefficients(torch.full((k,), cfg.grad_scale, **f32), None, lse, cfg)
-    # fp16 gradients are stored times a power of two that brings the largest coefficient near 1
-    # (grad_scale is known here, so no host sync); bf16 and fp32 have the range as they are.
-    scale = 2.0 ** -math.floor(math.log2(cfg.grad_scale)) if e.dtype == torch.float16 else 1.0
+    a, b, u = coefficients(g_rows, None, lse, cfg)
     g = kernels.dz_rows_in_place(
-        x, bias, targets, lse, a, b, u, torch.full((1,), scale, **f32), e.dtype, softcap=cfg.softcap,
-        config=cfg.kernel,
+        x, bias, targets, lse, a, b, u, scale, e.dtype, softcap=cfg.softcap, config=cfg.kernel
     )
     if de_rows is not None:
-        _mm_into(de_rows, g, c, accumulate=False, alpha=1.0 / scale)
+        _mm_into(de_rows, g, c, accumulate=False)
     if dc is not None:
-        _mm_into(dc, g.t(), e, accumulate=not first, alpha=1.0 / scale)
+        _mm_into(dc, g.t(), e, accumulate=not first)
     if db is not None:
-        db.add_(g.sum(dim=0, dtype=torch.float32), alpha=1.0 / scale)
+        db.add_(g.sum(dim=0, dtype=torch.float32))
 
 
 def _fp32_out(t):
@@ -554,72 +561,64 @@ def _warn_fallback():
         )
 
 
-def _uniform(g: torch.Tensor, keep):
+def _uniform(g: torch.Tensor, keep: torch.Tensor):
     """The one value of g over the kept tokens if they all have the same one, else None: a 0-dim
-    tensor when g is one number expanded (reduction mean or sum: no host sync), else a float."""
-    if keep is not None and keep.numel() == 0:
-        return 0.0  # nothing kept: zero gradients (even where "mean" made the upstream gradient NaN)
+    tensor when g is one number expanded (reduction mean or sum: no host sync), else a float (0.0
+    when nothing is kept)."""
     if g.numel() and g.stride(0) == 0:
         return g[0]
-    if keep is not None:
-        g = g.index_select(0, keep)
-    if g.numel() == 0:
+    inf = float("inf")
+    lo, hi = torch.stack([torch.where(keep, g, inf).amin(), torch.where(keep, g, -inf).amax()]).tolist()
+    if lo > hi:
         return 0.0
-    lo, hi = torch.stack(list(torch.aminmax(g))).tolist()
     return lo if lo == hi else None
 
 
 def _scaled(t, ratio, dtype):
-    """t (fp32, or a dC made in c's dtype) * ratio (a float or a 0-dim tensor) in `dtype`, with no
-    temporary of t's size and no host sync: one Triton pass (torch.mul into a narrower dtype takes
-    twice as long)."""
+    """t (fp32, or a dC made in c's dtype) * ratio (a 0-dim fp32 tensor) in `dtype`, with no host
+    sync: in place when t has that dtype (no pass at all when ratio is 1, as it is for a mean or a
+    sum), else one Triton pass into a new tensor (torch.mul into a narrower dtype takes twice as
+    long)."""
     if t is None:
         return None
-    if isinstance(ratio, float):
-        if ratio == 1.0:
-            return t if t.dtype == dtype else t.to(dtype)
-        ratio = torch.full((), ratio, device=t.device, dtype=torch.float32)
     from cce_parallel import kernels
 
-    return kernels.scaled_copy(t, ratio, dtype)  # ratio is fp32: g_loss.float() / a float
+    return kernels.scale_(t, ratio) if t.dtype == dtype else kernels.scaled_copy(t, ratio, dtype)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Per-token loss and log-sum-exp, fp32, for all n tokens (0 at ignored ones).
 
     e: [n_rows, D] (this rank's rows under sequence parallelism, else all n); c: [V_shard, D];
-    bias: [V_shard] or None; targets: [n] int64, the row of c holding each token's target, or any
-    value outside [0, V_shard) when another rank holds it; keep: [n_kept] int64 indices of the
-    tokens that count, or None for all. c_main_grad: None, or a callable returning a buffer shaped
-    like c into which the backward adds dC (Megatron's gradient-accumulation fusion); c then gets no
-    gradient from the Function.
+    bias: [V_shard] or None; targets: [n] int64, the row of c holding each token's target, or -1
+    when another rank holds it or it is ignored; keep: [n] bool, the tokens that count; counts:
+    int64 [2], the first the number kept; grad_scale: fp32 [], 1 / kept for reduction "mean" (the
+    one-pass gradients are those of grad_scale * the kept tokens' loss, so that the usual upstream
+    gradient leaves nothing to rescale), else 1. Ignored tokens go through the kernels with zero
+    weight: no host sync decides which tokens count. c_main_grad: None, or a callable returning a
+    buffer shaped like c into which the backward adds dC (Megatron's gradient-accumulation fusion);
+    c then gets no gradient from the Function.
     """
 
     @staticmethod
-    def forward(ctx, e, c, bias, targets, keep, cfg: LossConfig, comm: Collectives, sequence_parallel: bool,
-                c_main_grad: Optional[Callable[[], torch.Tensor]] = None):
+    def forward(ctx, e, c, bias, targets, keep, counts, grad_scale, cfg: LossConfig, comm: Collectives,
+                sequence_parallel: bool, c_main_grad: Optional[Callable[[], torch.Tensor]] = None):
         ctx.set_materialize_grads(False)
         e_all = comm.gather_rows(e) if sequence_parallel else e
-        n = e_all.shape[0]
-        e_k = e_all if keep is None else e_all.index_select(0, keep)
-        t_k = targets if keep is None else targets.index_select(0, keep)
         de = dc = db = None
         if cfg.one_pass:
-            lse, zt, zsum, de, dc, db = one_pass(e_k, c, bias, t_k, cfg, comm, main_grad=c_main_grad is not None)
+            g_rows = torch.mul(keep, grad_scale)
+            lse, zt, zsum, de, dc, db = one_pass(e_all, c, bias, targets, g_rows, cfg, comm,
+                                                 main_grad=c_main_grad is not None)
             if de is not None:
-                de = _finish_de(de, keep, n, comm, sequence_parallel)
+                de = _finish_de(de, comm, sequence_parallel)
         else:
-            m, se, zt, zsum = _combine(*local_stats(e_k, c, bias, t_k, cfg), comm)
+            m, se, zt, zsum = _combine(*local_stats(e_all, c, bias, targets, cfg), comm)
             lse = m + torch.log(se)
-        loss = token_loss(lse, zt, zsum, cfg)
-        if keep is not None:
-            loss = loss.new_zeros(n).index_copy_(0, keep, loss)
-            lse_out = lse.new_zeros(n).index_copy_(0, keep, lse)
-        else:
-            lse_out = lse
-        ctx.cfg, ctx.comm, ctx.sp, ctx.n, ctx.c_main_grad = cfg, comm, sequence_parallel, n, c_main_grad
-        ctx.save_for_backward(e_k, c, bias, t_k, keep, lse, de, dc, db)
-        return loss, lse_out
+        loss = torch.where(keep, token_loss(lse, zt, zsum, cfg), 0.0)
+        ctx.cfg, ctx.comm, ctx.sp, ctx.c_main_grad = cfg, comm, sequence_parallel, c_main_grad
+        ctx.save_for_backward(e_all, c, bias, targets, keep, counts, grad_scale, lse, de, dc, db)
+        return loss, torch.where(keep, lse, 0.0)
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
@@ -628,58 +627,62 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 "cce_parallel: double backward (create_graph=True, or differentiating a gradient of the loss) is "
                 "not supported; the loss's gradients come from kernels that autograd cannot differentiate"
             )
-        e_k, c, bias, t_k, keep, lse, de1, dc1, db1 = ctx.saved_tensors
-        cfg, comm, sp, n = ctx.cfg, ctx.comm, ctx.sp, ctx.n
+        e_all, c, bias, targets, keep, counts, grad_scale, lse, de1, dc1, db1 = ctx.saved_tensors
+        cfg, comm, sp = ctx.cfg, ctx.comm, ctx.sp
+        n = keep.shape[0]
         e_dtype = c.dtype  # e and c share the dtype (checked in ops/functional.py)
         if g_lse is not None and not torch.count_nonzero(g_lse):
             g_lse = None  # lse was returned but nothing used it
         g = g_loss.float() if g_loss is not None else lse.new_zeros(1).expand(n)
         s = _uniform(g, keep) if cfg.one_pass and g_lse is None else None
         if s is not None:
-            # The one-pass gradients, times one number.
-            ratio = s / cfg.grad_scale
+            # The one-pass gradients, times one number (none when nothing is kept, even where
+            # "mean" made the upstream gradient infinite). They may be scaled in place and handed
+            # out as they are, so a second backward through this loss (retain_graph) would read
+            # them changed: it is refused.
+            if getattr(ctx, "gave_gradients", False):
+                raise RuntimeError(
+                    "cce_parallel: a second backward through the same loss (retain_graph=True) is not "
+                    "supported when the gradients are computed in the forward; use logits_budget='lean' for that"
+                )
+            ctx.gave_gradients = True
+            ratio = torch.where(counts[0] > 0, s / grad_scale, 0.0)
             de = _scaled(de1, ratio, e_dtype)
             db = _scaled(db1, ratio, bias.dtype) if db1 is not None else None
             if dc1 is not None and ctx.c_main_grad is not None:
-                if isinstance(ratio, float):
-                    ctx.c_main_grad().add_(dc1, alpha=ratio)
-                else:
-                    ctx.c_main_grad().addcmul_(dc1, ratio)
+                ctx.c_main_grad().addcmul_(dc1, ratio)
             dc = _scaled(dc1, ratio, c.dtype) if ctx.c_main_grad is None else None
         else:
-            g_k = g if keep is None else g.index_select(0, keep)
-            h_k = None if g_lse is None else (g_lse.float() if keep is None else g_lse.float().index_select(0, keep))
-            a, b, u = coefficients(g_k.contiguous(), h_k, lse, cfg)
+            # Ignored tokens' upstream gradients may be anything: they count as 0.
+            g_k = torch.where(keep, g, 0.0)
+            h_k = None if g_lse is None else torch.where(keep, g_lse.float(), 0.0)
+            a, b, u = coefficients(g_k, h_k, lse, cfg)
             if cfg.one_pass and g_lse is None:
                 # Per-token weights: each row of dE scales by its own weight; dC and dbias recompute.
                 _warn_fallback()
                 de = None
                 if de1 is not None:
-                    w = g / cfg.grad_scale
-                    if keep is not None:  # ignored tokens' upstream gradient may be anything
-                        w = torch.zeros_like(w).index_copy_(0, keep, w.index_select(0, keep))
+                    w = g_k / grad_scale
                     if sp:
                         w = w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
                     de = (de1 * w[:, None]).to(e_dtype)
                 dc = db = None
                 if cfg.need_dc or cfg.need_db:
-                    _, dc, db = lean_backward(e_k, c, bias, t_k, lse, a, b, u, cfg, need_de=False)
+                    _, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=False)
             else:
-                de, dc, db = lean_backward(e_k, c, bias, t_k, lse, a, b, u, cfg, need_de=cfg.need_de)
+                de, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=cfg.need_de)
                 if de is not None:
-                    de = _finish_de(de, keep, n, comm, sp).to(e_dtype)
+                    de = _finish_de(de, comm, sp).to(e_dtype)
             if dc is not None and ctx.c_main_grad is not None:
                 ctx.c_main_grad().add_(dc)
                 dc = None
             db = db.to(bias.dtype) if db is not None and cfg.need_db else None
         if not cfg.need_dc or ctx.c_main_grad is not None:
             dc = None  # with c_main_grad, dC went into that buffer; c's .grad is left alone
-        return de if cfg.need_de else None, dc, db, None, None, None, None, None, None
+        return de if cfg.need_de else None, dc, db, None, None, None, None, None, None, None, None
 
 
-def _finish_de(de, keep, n, comm, sequence_parallel):
-    """fp32 partial dE of the kept tokens over this rank's vocabulary -> the full sum over ranks for
-    all n tokens (zeros at ignored ones), or under sequence parallelism this rank's rows of it."""
-    if keep is not None:
-        de = de.new_zeros((n, de.shape[1])).index_copy_(0, keep, de)
+def _finish_de(de, comm, sequence_parallel):
+    """fp32 partial dE over this rank's vocabulary -> the full sum over ranks, or under sequence
+    parallelism this rank's rows of it."""
     return comm.sum_scatter_rows(de) if sequence_parallel else comm.all_sum_(de)

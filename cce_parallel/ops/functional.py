@@ -1,6 +1,7 @@
-"""`linear_cross_entropy`: input checks, removal of ignored tokens, dispatch, reduction.
+"""`linear_cross_entropy`: input checks, the targets' pass, dispatch, reduction.
 
-Every check runs before any kernel, and each error names the offending argument.
+Every check of shapes, dtypes and options runs before any kernel, and each error names the offending
+argument. The targets' values are checked once the loss's kernels are queued (TargetCheck).
 """
 
 import math
@@ -118,21 +119,52 @@ def check_inputs(
         raise ValueError("c has an empty vocabulary (V = 0)")
 
 
-def check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int, lo: int = 0):
-    """Count the non-ignored targets; raise ValueError naming a value outside [lo, lo + vocab_size).
+def prepare_targets(
+    targets, ignore_index: int, vocab: int, start: int, shard: int, mean: bool, use_triton: bool
+):
+    """(local, keep, counts, scale) of the flat targets, as kernels.prepare_targets defines them:
+    one Triton launch on the Triton path, the same from PyTorch ops otherwise. No host sync."""
+    if use_triton:
+        from cce_parallel.kernels.targets import prepare_targets as launch
 
-    One device-to-host sync for the whole check.
-    """
-    keep = targets != ignore_index
-    bad = keep & ((targets < lo) | (targets >= lo + vocab_size))
-    n_bad, n_keep = torch.stack([bad.sum(), keep.sum()]).tolist()
-    if n_bad:
-        value = targets[bad].reshape(-1)[0].item()
-        raise ValueError(
-            f"targets must lie in [{lo}, {lo + vocab_size}) or equal ignore_index={ignore_index}; "
-            f"found {value} ({n_bad} such targets)"
-        )
-    return keep, n_keep
+        return launch(targets, ignore_index, vocab, start, shard, mean)
+    t = targets.long()
+    keep = t != ignore_index
+    local = torch.where(keep & (t >= start) & (t < start + shard), t - start, -1)
+    n_keep = keep.sum()
+    counts = torch.stack([n_keep, (keep & ((t < 0) | (t >= vocab))).sum()])
+    one = torch.ones((), device=t.device, dtype=torch.float32)
+    return local, keep, counts, one / n_keep.clamp(min=1) if mean else one
+
+
+class TargetCheck:
+    """The targets' counts on their way to the host: copied without blocking when the launch is
+    queued, read (`kept`, `raise_if_bad`) after the loss's kernels are queued. Waiting then costs
+    no GPU idle: the copy sits ahead of those kernels in the stream. Kernels treat a target outside
+    [0, vocab) like one held by another rank, so running them before the check is harmless."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.event = None
+        if counts.is_cuda:
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = counts
+
+    def raise_if_bad(self, targets, vocab_size: int, ignore_index: int):
+        """ValueError naming a target outside [0, vocab_size) that is not ignore_index."""
+        if self.event is not None:
+            self.event.synchronize()
+        n_bad = int(self.host[1])
+        if n_bad:
+            bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+            value = targets[bad].reshape(-1)[0].item()
+            raise ValueError(
+                f"targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+                f"found {value} ({n_bad} such targets)"
+            )
 
 
 def linear_cross_entropy(
@@ -220,22 +252,20 @@ def sharded_linear_cross_entropy(
     vocab = vocab_size if vocab_size is not None else shard
     out_shape = targets.shape
     e2 = e.reshape(-1, e.shape[-1])
-    t2 = targets.reshape(-1).long()
-    keep, n_keep = check_targets(t2, vocab, ignore_index)
-    if shard != vocab:
-        # Each rank scores the targets its shard holds; -1 marks "held elsewhere".
-        t2 = torch.where((t2 >= vocab_start) & (t2 < vocab_start + shard), t2 - vocab_start, -1)
-
+    t2 = targets.reshape(-1)
     use_triton = _triton_usable(impl, e.device, e.dtype)
+    # The targets' pass is queued first (the loss's kernels need it); its counts reach the host
+    # while they run, and are checked once they are queued: no host sync before the GPU has work.
+    t2, keep, counts, grad_scale = prepare_targets(
+        t2, ignore_index, vocab, vocab_start, shard, reduction == "mean", use_triton
+    )
+    check = TargetCheck(counts)
     kernel_cfg = None
     if use_triton:
         from cce_parallel.kernels.config import default_config
 
         kernel_cfg = default_config(e.device, e.dtype)
     need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
-    # reduction "mean" divides by the kept tokens in fp32: the one-pass gradients use that same
-    # number, so that loss.backward() leaves nothing to rescale.
-    grad_scale = torch.tensor(1.0 / n_keep, dtype=torch.float32).item() if reduction == "mean" and n_keep else 1.0
     cfg = LossConfig(
         impl=impl,
         softcap=float(softcap) if softcap is not None else None,
@@ -251,23 +281,20 @@ def sharded_linear_cross_entropy(
         need_de=need[0],
         need_dc=need[1],
         need_db=need[2],
-        grad_scale=grad_scale,
     )
-    # Appendix B of the paper: ignored tokens never reach the kernels (the Function drops them).
-    # (nonzero_static: the count is known, so no second wait for the GPU)
-    keep_idx = None if n_keep == t2.shape[0] else torch.nonzero_static(keep, size=n_keep).squeeze(1)
     # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
     loss, lse = LinearCrossEntropyFunction.apply(
-        e2.contiguous(), c_k, bias_k, t2, keep_idx, cfg, comm, sequence_parallel, c_main_grad
+        e2.contiguous(), c_k, bias_k, t2, keep, counts, grad_scale, cfg, comm, sequence_parallel, c_main_grad
     )
+    check.raise_if_bad(targets, vocab, ignore_index)
     if reduction == "none":
         loss = loss.reshape(out_shape)
     elif reduction == "sum":
         loss = loss.sum()
     else:
-        loss = loss.sum() / n_keep if n_keep else loss.sum() * float("nan")
+        loss = loss.sum() / counts[0]  # NaN when every token is ignored, as in PyTorch
     if return_lse:
         return loss, lse.reshape(out_shape)
     return loss

@@ -320,3 +320,28 @@ def test_one_pass_tiny_shapes(n, v, d):
     e64, c64 = e.double().requires_grad_(), c.double().requires_grad_()
     torch.nn.functional.cross_entropy(e64 @ c64.T, t).backward()
     assert rel_err(e1.grad.double(), e64.grad) < 2e-2 and rel_err(c1.grad.double(), c64.grad) < 2e-2
+
+
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_no_host_sync_in_a_training_step(budget):
+    """Forward and backward (reduction "mean", some targets ignored) never make the host wait
+    (torch.cuda.set_sync_debug_mode("error") raises on a sync), so the host can queue the next
+    work while the GPU runs the loss. The only wait is on an event behind the targets' pass.
+    A target out of range still raises, naming it."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    e = torch.randn(512, 256, device="cuda", generator=g).bfloat16().requires_grad_()
+    c = (torch.randn(3000, 256, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
+    t = torch.randint(0, 3000, (512,), device="cuda", generator=g)
+    t[::5] = -100
+    linear_cross_entropy(e, c, t, logits_budget=budget).backward()  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = linear_cross_entropy(e, c, t, logits_budget=budget)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss) and e.grad[::5].eq(0).all() and e.grad[1::5].ne(0).any()
+    t[3] = 3000
+    with pytest.raises(ValueError, match="found 3000"):
+        linear_cross_entropy(e, c, t, logits_budget=budget)

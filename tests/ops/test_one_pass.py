@@ -394,3 +394,62 @@ def test_rows_summed_into_a_narrow_tensor(dtype, device):
     untouched = torch.ones(50, dtype=torch.bool)
     untouched[index] = False
     assert torch.equal(got.cpu()[untouched], out[untouched])
+
+
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("start, shard", [(0, 20), (5, 7)])
+def test_targets_pass_matches_pytorch(start, shard, mean, device):
+    """kernels.prepare_targets (one launch) against functional.prepare_targets' PyTorch ops: rows in
+    the shard, kept tokens (ignore_index inside the vocabulary too), counts, and 1 / kept."""
+    from cce_parallel.kernels.targets import prepare_targets as launch
+    from cce_parallel.ops.functional import prepare_targets
+
+    g = torch.Generator().manual_seed(2)
+    t = torch.randint(-3, 24, (300,), generator=g)  # -3..-1 and 20..23 lie outside [0, 20)
+    t[::7] = -100
+    for targets, ignore in ((t, -100), (t.to(torch.int32), 4), (torch.full((9,), -100), -100)):
+        got = launch(targets.to(device), ignore, 20, start, shard, mean)
+        want = prepare_targets(targets, ignore, 20, start, shard, mean, use_triton=False)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b), (a, b)
+
+
+def test_second_backward_is_a_clear_error(device):
+    """The one-pass gradients may be handed out scaled in place: a second backward (retain_graph)
+    is refused. The lean path recomputes and gives the same gradients twice."""
+    x = inputs(device)
+    e = x["e"].detach().requires_grad_()
+    loss = linear_cross_entropy(e, x["c"], x["targets"], impl=IMPL)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+    lean = linear_cross_entropy(e, x["c"], x["targets"], impl=IMPL, logits_budget="lean")
+    first = torch.autograd.grad(lean, e, retain_graph=True)[0]
+    assert torch.equal(torch.autograd.grad(lean, e)[0], first)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.375])
+def test_scale_in_place(scale, device):
+    """kernels.scale_: x *= s with s on the device; s = 1 leaves every bit (NaN payloads too)."""
+    from cce_parallel import kernels
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3)).to(device)
+    x[7] = float("nan")
+    want = x * scale
+    got = kernels.scale_(x.clone(), torch.tensor(scale, device=device))
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_scale_sub_rows(device):
+    """kernels.scale_sub_rows: x[i] = w[i] x[i] - b[i] c[index[i]], in place, for shapes that are
+    not multiples of the kernel's blocks."""
+    from cce_parallel import kernels
+
+    g = torch.Generator().manual_seed(4)
+    x, c = torch.randn(37, 70, generator=g), torch.randn(50, 70, generator=g)
+    w, b = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    index = torch.randint(0, 50, (37,), generator=g)
+    want = x.double() * w.double()[:, None] - b.double()[:, None] * c.double()[index]
+    got = x.to(device)
+    kernels.scale_sub_rows(got, w.to(device), b.to(device), c.to(device), index.to(device))
+    assert rel_err(got.cpu().double(), want) < 1e-6
