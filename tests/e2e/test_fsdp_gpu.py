@@ -1,6 +1,6 @@
 """parallel.fsdp on GPUs (NCCL, bf16, megatron-core's optimizer), for both engines (torch:
 FSDP2; megatron: Megatron-FSDP): the tiny recipe's losses overlay DDP's within bf16 tolerance
-(2 GPUs: dp=2, tied embedding; 4 GPUs: TP=2 x dp=2), peak memory per rank is reported next to
+(2 GPUs: dp=2, tied embedding, and TP=2; 4 GPUs: TP=2 x dp=2), peak memory per rank is reported next to
 DDP's and DDP + distributed optimizer's, and a SIGKILLed FSDP run resumes from its sharded
 checkpoint.
 
@@ -70,11 +70,14 @@ def test_fsdp_dp2_matches_ddp(tiny_data, runs_dir, engine):
 
 
 @ENGINES
-def test_fsdp_tp2_dp2_matches_ddp(tiny_data, runs_dir, engine):
-    _gpus(4)
+@pytest.mark.parametrize("gpus", [2, 4], ids=["tp2", "tp2_dp2"])
+def test_fsdp_tp2_matches_ddp(tiny_data, runs_dir, engine, gpus):
+    """TP = 2 under FSDP: on 2 GPUs the data-parallel group is one rank (nothing sharded, but the
+    wrappers, their meshes and the TP layers compose); on 4 it shards over 2."""
+    _gpus(gpus)
     _compare_with_ddp(
-        tiny_data, runs_dir, f"gpu-{engine}-fsdp-tp2", 4, ["parallel.tensor=2", "train.global_batch_size=16"],
-        engine,
+        tiny_data, runs_dir, f"gpu-{engine}-fsdp-tp2-n{gpus}", gpus,
+        ["parallel.tensor=2", f"train.global_batch_size={4 * gpus}"], engine,
     )
 
 
