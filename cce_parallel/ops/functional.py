@@ -138,9 +138,9 @@ def prepare_targets(
 
 
 class TargetCheck:
-    """The targets' counts on their way to the host: copied without blocking when the launch is
-    queued, read (`kept`, `raise_if_bad`) after the loss's kernels are queued. Waiting then costs
-    no GPU idle: the copy sits ahead of those kernels in the stream. Kernels treat a target outside
+    """The targets' counts on their way to the host: copied without blocking when the targets' pass
+    is queued, read by `raise_if_bad` after the loss's kernels are queued. Waiting then costs no GPU
+    idle: the copy sits ahead of those kernels in the stream. Kernels treat a target outside
     [0, vocab) like one held by another rank, so running them before the check is harmless."""
 
     def __init__(self, counts: torch.Tensor):
