@@ -116,7 +116,8 @@ def scale_sub_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, c: torch.T
         raise ValueError(f"w, b and index must have shape ({k},)")
     if k == 0 or d == 0:
         return
-    block_k, block_d = (16, 256) if x.is_cuda else (4, 32)
+    # The interpreter (CPU) runs programs one by one: few large ones.
+    block_k, block_d = (16, 256) if x.is_cuda else (64, 128)
     grid = (triton.cdiv(k, block_k), triton.cdiv(d, block_d))
     _scale_sub_rows_kernel[grid](
         x, w, b, c, index, k, d, x.stride(0), c.stride(0), BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,

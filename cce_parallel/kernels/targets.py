@@ -46,7 +46,7 @@ def prepare_targets(targets: torch.Tensor, ignore_index: int, vocab: int, start:
     keep = torch.empty(n, device=dev, dtype=torch.bool)
     counts = torch.empty(2, device=dev, dtype=torch.int64)
     scale = torch.empty((), device=dev, dtype=torch.float32)
-    block = 4096 if targets.is_cuda else 256
+    block = 4096
     _targets_kernel[(1,)](
         targets, local, keep, counts, scale, n, ignore_index, vocab, start, shard, MEAN=mean, BLOCK=block,
         num_warps=8 if targets.is_cuda else 1,
