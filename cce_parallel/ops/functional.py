@@ -19,9 +19,10 @@ IMPLS = tuple(IMPL_TRAITS)
 REDUCTIONS = ("none", "sum", "mean")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Bytes of the one-pass path's logits buffer per token block. Measured on an H100 (README,
-# "Performance"): larger blocks mean fewer, larger GEMMs and fewer passes over dC.
-DEFAULT_LOGITS_BUDGET = 2 << 30
+# Bytes of the one-pass path's logits buffer per token block. Measured on an H100 (README, "Which
+# budget"): larger blocks mean fewer, larger GEMMs and fewer passes over dC; 3 GiB holds 8,192
+# tokens of a 152k vocabulary (Qwen 2.5) in one block, whose dC is then written once, in bf16.
+DEFAULT_LOGITS_BUDGET = 3 << 30
 
 _warned_fallback = set()
 
@@ -197,7 +198,7 @@ def linear_cross_entropy(
         impl: one of IMPLS (see the README's table).
         logits_budget: bytes of the logits buffer per token block when gradients are computed in
             the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
-            "auto" (2 GiB), a number of bytes, or "lean" / 0 for the two-pass path that
+            "auto" (3 GiB), a number of bytes, or "lean" / 0 for the two-pass path that
             recomputes the logits in the backward (about 100 MB above dE + dC).
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
@@ -256,8 +257,11 @@ def sharded_linear_cross_entropy(
     use_triton = _triton_usable(impl, e.device, e.dtype)
     # The targets' pass is queued first (the loss's kernels need it); its counts reach the host
     # while they run, and are checked once they are queued: no host sync before the GPU has work.
+    # The one-pass gradients are made for the loss's mean over the kept tokens for reduction
+    # "none" too: Megatron's (loss * mask).sum() / mask.sum(), the mask folded into ignore_index,
+    # then needs no pass over dC in the backward.
     t2, keep, counts, grad_scale = prepare_targets(
-        t2, ignore_index, vocab, vocab_start, shard, reduction == "mean", use_triton
+        t2, ignore_index, vocab, vocab_start, shard, reduction != "sum", use_triton
     )
     check = TargetCheck(counts)
     kernel_cfg = None
