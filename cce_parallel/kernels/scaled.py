@@ -1,11 +1,12 @@
-"""x * s, s a one-element tensor on the device (no host sync): into a new tensor of another dtype
-(scaled_copy), or in place (scale_), where nothing moves when s is 1.
+"""x * s on the device (no host sync), s one fp32 number or one per row of x: into a new tensor of
+another dtype (scaled_copy), or one number in place (scale_), where nothing moves when s is 1.
 
 torch.mul(x, s, out=out) with a 0-dim CUDA s and a narrower out dtype takes PyTorch's generic
 casting loop, about twice the time of one read of x and one write of out (measured on an H100:
 2.6 ms against 1.2 ms for the V x D fp32 -> bf16 gradient of Gemma 2 2B). scaled_copy is that one
 pass. scale_ reads s first and returns at once when it is 1: the usual upstream gradient of a
-mean or a sum, known only on the device.
+mean or a sum, known only on the device. Its programs loop over the blocks, so that this no-op is a
+few microseconds even for V x D elements (one program per block took 80 us on Llama 3 8B's dC).
 """
 
 import torch
@@ -14,46 +15,59 @@ import triton.language as tl
 
 
 @triton.jit
-def _scaled_copy_kernel(X_ptr, Out_ptr, Scale_ptr, numel, BLOCK: tl.constexpr):
+def _scaled_copy_kernel(X_ptr, Out_ptr, Scale_ptr, numel, row_len, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(X_ptr + offs, mask=mask, other=0.0)
-    tl.store(Out_ptr + offs, (x * tl.load(Scale_ptr)).to(Out_ptr.dtype.element_ty), mask=mask)
+    if PER_ROW:
+        s = tl.load(Scale_ptr + offs // row_len, mask=mask, other=0.0)
+    else:
+        s = tl.load(Scale_ptr)
+    tl.store(Out_ptr + offs, (x * s).to(Out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _scale_kernel(X_ptr, Scale_ptr, numel, BLOCK: tl.constexpr):
+def _scale_kernel(X_ptr, Scale_ptr, numel, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
     s = tl.load(Scale_ptr)
     if s != 1.0:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        x = tl.load(X_ptr + offs, mask=mask, other=0.0)
-        tl.store(X_ptr + offs, (x * s).to(X_ptr.dtype.element_ty), mask=mask)
+        for _ in range(tl.program_id(0), tl.cdiv(numel, BLOCK), PROGRAMS):
+            mask = offs < numel
+            x = tl.load(X_ptr + offs, mask=mask, other=0.0)
+            tl.store(X_ptr + offs, (x * s).to(X_ptr.dtype.element_ty), mask=mask)
+            offs += PROGRAMS * BLOCK
 
 
-def _check(x, scale):
+def _check(x, scale, rows_ok: bool):
     if not x.is_contiguous() or not x.is_floating_point():
         raise ValueError("x must be a contiguous floating-point tensor")
-    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != x.device:
-        raise ValueError("scale must be a one-element fp32 tensor on x's device")
+    sizes = (1, x.shape[0]) if rows_ok and x.dim() else (1,)
+    if scale.numel() not in sizes or scale.dtype != torch.float32 or scale.device != x.device:
+        what = "one fp32 number or one per row of x" if rows_ok else "a one-element fp32 tensor"
+        raise ValueError(f"scale must be {what}, on x's device")
 
 
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x *= scale in place (the product in fp32, rounded once to x's dtype; x untouched where scale
     is 1); returns x."""
-    _check(x, scale)
+    _check(x, scale, rows_ok=False)
     if x.numel():
         block = 4096 if x.is_cuda else 1024
-        _scale_kernel[(triton.cdiv(x.numel(), block),)](x, scale, x.numel(), BLOCK=block, num_warps=8)
+        programs = min(triton.cdiv(x.numel(), block), 1024 if x.is_cuda else 4)
+        _scale_kernel[(programs,)](x, scale, x.numel(), BLOCK=block, PROGRAMS=programs, num_warps=8)
     return x
 
 
 def scaled_copy(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new contiguous tensor x * scale in `dtype` (the product in fp32, rounded once)."""
-    _check(x, scale)
+    """A new contiguous tensor x * scale in `dtype` (the product in fp32, rounded once); scale holds
+    one number, or one per row of x (x[i] * scale[i])."""
+    _check(x, scale, rows_ok=True)
     out = torch.empty(x.shape, device=x.device, dtype=dtype)
     if x.numel():
         block = 4096 if x.is_cuda else 1024
+        per_row = scale.numel() > 1
         grid = (triton.cdiv(x.numel(), block),)
-        _scaled_copy_kernel[grid](x, out, scale, x.numel(), BLOCK=block, num_warps=8)
+        _scaled_copy_kernel[grid](
+            x, out, scale, x.numel(), x.numel() // x.shape[0], PER_ROW=per_row, BLOCK=block, num_warps=8
+        )
     return out

@@ -19,9 +19,10 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   grad_scale on every kept token (0 on ignored ones); then dE_b = G C and dC += G^T E_b. That is three
   logit-sized GEMMs in all, the fewest an exact method needs. The backward only scales these by
   the upstream gradient g / grad_scale, which is exact when g is one number over the kept tokens
-  (reduction mean or sum, or Megatron's loss_mask / count with the mask folded into ignore_index).
-  Otherwise it stays exact by recomputing: per-token weights scale each row of dE (dE is linear in
-  g per token) and recompute dC and dbias; a gradient through the returned lse recomputes all.
+  (reduction mean or sum, or Megatron's loss_mask / count with the mask folded into ignore_index,
+  where the ratio is 1 and nothing moves). A per-token g costs one host sync to learn that; dE,
+  linear in g per token, scales per row before it. Otherwise the result stays exact by
+  recomputing dC and dbias; a gradient through the returned lse recomputes all.
 - Lean (logits_budget=0, nothing needing a gradient, and the fallbacks above): the forward folds
   fp32 logit chunks into the statistics; the backward recomputes them and adds dE and dC chunk by
   chunk. Four logit-sized GEMMs, memory within about 100 MB of dE + dC.
@@ -561,29 +562,31 @@ def _warn_fallback():
         )
 
 
-def _uniform(g: torch.Tensor, keep: torch.Tensor):
-    """The one value of g over the kept tokens if they all have the same one, else None: a 0-dim
-    tensor when g is one number expanded (reduction mean or sum: no host sync), else a float (0.0
-    when nothing is kept)."""
-    if g.numel() and g.stride(0) == 0:
-        return g[0]
+def _uniform_over_kept(g: torch.Tensor, keep: torch.Tensor, grad_scale: torch.Tensor):
+    """Whether g is one number s over the kept tokens, and the one-pass gradients' ratio
+    s / grad_scale (0-dim fp32; 0 when nothing is kept) with, on the host, whether it is exactly 1.
+    One host sync: g per token (Megatron's loss_mask / count, or per-token weights) is known only
+    on the device."""
     inf = float("inf")
-    lo, hi = torch.stack([torch.where(keep, g, inf).amin(), torch.where(keep, g, -inf).amax()]).tolist()
-    if lo > hi:
-        return 0.0
-    return lo if lo == hi else None
+    lo, hi = torch.where(keep, g, inf).amin(), torch.where(keep, g, -inf).amax()
+    ratio = torch.where(lo < inf, lo / grad_scale, 0.0)
+    lo_h, hi_h, ratio_h = torch.stack([lo, hi, ratio]).tolist()
+    return lo_h >= hi_h, ratio, ratio_h == 1.0
 
 
-def _scaled(t, ratio, dtype):
+def _scaled(t, ratio, dtype, one: bool = False):
     """t (fp32, or a dC made in c's dtype) * ratio (a 0-dim fp32 tensor) in `dtype`, with no host
-    sync: in place when t has that dtype (no pass at all when ratio is 1, as it is for a mean or a
-    sum), else one Triton pass into a new tensor (torch.mul into a narrower dtype takes twice as
-    long)."""
+    sync: t itself when it has that dtype and ratio is known on the host to be 1 (`one`); in place
+    when it has that dtype (the kernel moves nothing when ratio is 1 on the device, as it is for a
+    mean or a sum); else one Triton pass into a new tensor (torch.mul into a narrower dtype takes
+    twice as long)."""
     if t is None:
         return None
     from cce_parallel import kernels
 
-    return kernels.scale_(t, ratio) if t.dtype == dtype else kernels.scaled_copy(t, ratio, dtype)
+    if t.dtype == dtype:
+        return t if one else kernels.scale_(t, ratio)
+    return kernels.scaled_copy(t, ratio, dtype)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -592,9 +595,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     e: [n_rows, D] (this rank's rows under sequence parallelism, else all n); c: [V_shard, D];
     bias: [V_shard] or None; targets: [n] int64, the row of c holding each token's target, or -1
     when another rank holds it or it is ignored; keep: [n] bool, the tokens that count; counts:
-    int64 [2], the first the number kept; grad_scale: fp32 [], 1 / kept for reduction "mean" (the
-    one-pass gradients are those of grad_scale * the kept tokens' loss, so that the usual upstream
-    gradient leaves nothing to rescale), else 1. Ignored tokens go through the kernels with zero
+    int64 [2], the first the number kept; grad_scale: fp32 [], 1 / kept for reductions "mean" and
+    "none", 1 for "sum" (the one-pass gradients are those of grad_scale * the kept tokens' loss, so
+    that the usual upstream gradient, a mean's or Megatron's loss_mask / count, leaves nothing to
+    rescale). Ignored tokens go through the kernels with zero
     weight: no host sync decides which tokens count. c_main_grad: None, or a callable returning a
     buffer shaped like c into which the backward adds dC (Megatron's gradient-accumulation fusion);
     c then gets no gradient from the Function.
@@ -627,6 +631,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 "cce_parallel: double backward (create_graph=True, or differentiating a gradient of the loss) is "
                 "not supported; the loss's gradients come from kernels that autograd cannot differentiate"
             )
+        from cce_parallel import kernels
+
         e_all, c, bias, targets, keep, counts, grad_scale, lse, de1, dc1, db1 = ctx.saved_tensors
         cfg, comm, sp = ctx.cfg, ctx.comm, ctx.sp
         n = keep.shape[0]
@@ -634,38 +640,50 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if g_lse is not None and not torch.count_nonzero(g_lse):
             g_lse = None  # lse was returned but nothing used it
         g = g_loss.float() if g_loss is not None else lse.new_zeros(1).expand(n)
-        s = _uniform(g, keep) if cfg.one_pass and g_lse is None else None
-        if s is not None:
-            # The one-pass gradients, times one number (none when nothing is kept, even where
-            # "mean" made the upstream gradient infinite). They may be scaled in place and handed
-            # out as they are, so a second backward through this loss (retain_graph) would read
-            # them changed: it is refused.
+        stored = cfg.one_pass and g_lse is None  # the forward's gradients serve, scaled (or dE only)
+        uniform = False
+        if stored:
+            # The one-pass gradients may be scaled in place and handed out as they are, so a
+            # second backward through this loss (retain_graph) would read them changed: refused.
             if getattr(ctx, "gave_gradients", False):
                 raise RuntimeError(
                     "cce_parallel: a second backward through the same loss (retain_graph=True) is not "
                     "supported when the gradients are computed in the forward; use logits_budget='lean' for that"
                 )
             ctx.gave_gradients = True
-            ratio = torch.where(counts[0] > 0, s / grad_scale, 0.0)
-            de = _scaled(de1, ratio, e_dtype)
-            db = _scaled(db1, ratio, bias.dtype) if db1 is not None else None
-            if dc1 is not None and ctx.c_main_grad is not None:
-                ctx.c_main_grad().addcmul_(dc1, ratio)
-            dc = _scaled(dc1, ratio, c.dtype) if ctx.c_main_grad is None else None
-        else:
+            if g.numel() and g.stride(0) == 0:
+                # One number expanded (reduction mean or sum): no host sync. Nothing kept gives
+                # zeros, even where "mean" made the upstream gradient infinite.
+                uniform, one = True, False
+                ratio = torch.where(counts[0] > 0, g[0] / grad_scale, 0.0)
+                de = _scaled(de1, ratio, e_dtype)
+            else:
+                # Per token: dE is linear in each token's weight, so its rows scale exactly
+                # whatever the weights are. Queued first, that keeps the GPU busy while the host
+                # learns whether dC and dbias may just be scaled too (ignored tokens count as 0).
+                de = None
+                if de1 is not None:
+                    w = torch.where(keep, g, 0.0) / grad_scale
+                    if sp:
+                        w = w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
+                    de = kernels.scaled_copy(de1, w, e_dtype)
+                uniform, ratio, one = _uniform_over_kept(g, keep, grad_scale)
+            if uniform:
+                # dC and dbias times one number: nothing to do when it is 1 (Megatron's loss_mask
+                # / count over this call's tokens).
+                db = _scaled(db1, ratio, bias.dtype, one) if db1 is not None else None
+                if dc1 is not None and ctx.c_main_grad is not None:
+                    buf = ctx.c_main_grad()
+                    buf.add_(dc1) if one else buf.addcmul_(dc1, ratio)
+                dc = _scaled(dc1, ratio, c.dtype, one) if ctx.c_main_grad is None else None
+        if not (stored and uniform):
             # Ignored tokens' upstream gradients may be anything: they count as 0.
             g_k = torch.where(keep, g, 0.0)
             h_k = None if g_lse is None else torch.where(keep, g_lse.float(), 0.0)
             a, b, u = coefficients(g_k, h_k, lse, cfg)
-            if cfg.one_pass and g_lse is None:
-                # Per-token weights: each row of dE scales by its own weight; dC and dbias recompute.
+            if stored:
+                # Per-token weights: dC and dbias recompute (dE is done above).
                 _warn_fallback()
-                de = None
-                if de1 is not None:
-                    w = g_k / grad_scale
-                    if sp:
-                        w = w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
-                    de = (de1 * w[:, None]).to(e_dtype)
                 dc = db = None
                 if cfg.need_dc or cfg.need_db:
                     _, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=False)

@@ -53,6 +53,27 @@ def test_uniform_upstream_over_kept_tokens_only_scales(budget, device, lean_call
     assert lean_calls == []
 
 
+def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monkeypatch):
+    """(loss * mask).sum() / mask.sum() with the mask folded into ignore_index: the upstream gradient
+    is exactly the forward's 1 / kept, so dC and dbias are handed out as the forward made them (no
+    scaling pass), and dE scales per row."""
+    from cce_parallel import kernels
+
+    x = inputs(device)
+    scaled = []
+    real = kernels.scale_
+    monkeypatch.setattr(kernels, "scale_", lambda t, s: scaled.append(t.shape) or real(t, s))
+    e, c = x["e"].detach().requires_grad_(), x["c"].detach().requires_grad_()
+    mask = (x["targets"] != -100).float()
+    loss = (linear_cross_entropy(e, c, x["targets"], impl=IMPL, reduction="none") * mask).sum() / mask.sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss.backward()
+    ref = oracle(e.detach(), c.detach(), x["targets"], reduction="mean")
+    assert rel_err(e.grad, ref.de) < 5e-5 and rel_err(c.grad, ref.dc) < 5e-5
+    assert scaled == [] and lean_calls == []
+
+
 def test_per_token_weights_scale_de_and_recompute_dc(device, lean_calls):
     x = inputs(device)
     options = {"impl": IMPL, "reduction": "none", "z_loss": 1e-3}
@@ -438,6 +459,21 @@ def test_scale_in_place(scale, device):
     want = x * scale
     got = kernels.scale_(x.clone(), torch.tensor(scale, device=device))
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_scaled_copy(per_row, device):
+    """kernels.scaled_copy: x * s (one number, or one per row) rounded once into another dtype."""
+    from cce_parallel import kernels
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 300, generator=g)
+    s = torch.rand(37 if per_row else 1, generator=g) + 0.5
+    want = x.double() * (s.double()[:, None] if per_row else s.double())
+    got = kernels.scaled_copy(x.to(device), s.to(device), torch.float32)
+    assert got.dtype == torch.float32 and rel_err(got.cpu().double(), want) < 1e-6
+    with pytest.raises(ValueError, match="one per row of x"):
+        kernels.scaled_copy(x.to(device), torch.ones(36, device=device), torch.float32)
 
 
 def test_scale_sub_rows(device):
