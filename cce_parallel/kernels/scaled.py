@@ -15,7 +15,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _scaled_copy_kernel(X_ptr, Out_ptr, Scale_ptr, numel, row_len, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _scaled_copy_kernel(X_ptr, Out_ptr, Scale_ptr, numel, row_len, PER_ROW: tl.constexpr,
+                        BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(X_ptr + offs, mask=mask, other=0.0)

@@ -567,6 +567,8 @@ def _uniform_over_kept(g: torch.Tensor, keep: torch.Tensor, grad_scale: torch.Te
     s / grad_scale (0-dim fp32; 0 when nothing is kept) with, on the host, whether it is exactly 1.
     One host sync: g per token (Megatron's loss_mask / count, or per-token weights) is known only
     on the device."""
+    if not g.numel():  # no tokens: zero gradients
+        return True, g.new_zeros(()), False
     inf = float("inf")
     lo, hi = torch.where(keep, g, inf).amin(), torch.where(keep, g, -inf).amax()
     ratio = torch.where(lo < inf, lo / grad_scale, 0.0)

@@ -489,3 +489,17 @@ def test_scale_sub_rows(device):
     got = x.to(device)
     kernels.scale_sub_rows(got, w.to(device), b.to(device), c.to(device), index.to(device))
     assert rel_err(got.cpu().double(), want) < 1e-6
+
+
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_no_tokens(reduction, budget, device):
+    """A batch without tokens: an empty (or 0, or NaN for a mean, as in PyTorch) loss, zero gradients."""
+    e = torch.randn(0, D, device=device, requires_grad=True)
+    c = torch.randn(V, D, device=device, requires_grad=True)
+    targets = torch.zeros(0, dtype=torch.long, device=device)
+    loss = linear_cross_entropy(e, c, targets, impl=IMPL, reduction=reduction, logits_budget=budget)
+    want = torch.nn.functional.cross_entropy(torch.zeros(0, V), torch.zeros(0, dtype=torch.long), reduction=reduction)
+    assert loss.shape == want.shape and torch.equal(loss.detach().cpu().isnan(), want.isnan())
+    loss.backward(torch.ones_like(loss))
+    assert e.grad.shape == (0, D) and torch.count_nonzero(c.grad) == 0
