@@ -13,7 +13,7 @@ import triton.language as tl
 
 @triton.jit
 def _targets_kernel(T_ptr, Local_ptr, Keep_ptr, Count_ptr, Scale_ptr, n, ignore, vocab, start, shard,
-                    MEAN: tl.constexpr, BLOCK: tl.constexpr):
+                    PER_KEPT: tl.constexpr, BLOCK: tl.constexpr):
     kept = tl.zeros([BLOCK], tl.int64)
     bad = tl.zeros([BLOCK], tl.int64)
     for i in range(0, n, BLOCK):
@@ -29,17 +29,17 @@ def _targets_kernel(T_ptr, Local_ptr, Keep_ptr, Count_ptr, Scale_ptr, n, ignore,
     n_keep = tl.sum(kept, axis=0)
     tl.store(Count_ptr, n_keep)
     tl.store(Count_ptr + 1, tl.sum(bad, axis=0))
-    if MEAN:  # 1 / kept tokens, rounded as torch's fp32 division rounds it (1 when none is kept)
+    if PER_KEPT:  # 1 / kept tokens, rounded as torch's fp32 division rounds it (1 when none is kept)
         scale = tl.math.div_rn(1.0, tl.maximum(n_keep, 1).to(tl.float32))
     else:
         scale = 1.0
     tl.store(Scale_ptr, scale)
 
 
-def prepare_targets(targets: torch.Tensor, ignore_index: int, vocab: int, start: int, shard: int, mean: bool):
+def prepare_targets(targets: torch.Tensor, ignore_index: int, vocab: int, start: int, shard: int, per_kept: bool):
     """(local [n] int64, keep [n] bool, counts [2] int64, scale [] fp32) of targets [n] (any integer
     dtype): local = target - start where the target is kept and in [start, start + shard), else -1;
-    counts = (kept, kept but outside [0, vocab)); scale = 1 / kept for `mean` (1 if none), else 1."""
+    counts = (kept, kept but outside [0, vocab)); scale = 1 / kept if `per_kept` (1 if none), else 1."""
     n = targets.shape[0]
     dev = targets.device
     local = torch.empty(n, device=dev, dtype=torch.int64)
@@ -48,7 +48,7 @@ def prepare_targets(targets: torch.Tensor, ignore_index: int, vocab: int, start:
     scale = torch.empty((), device=dev, dtype=torch.float32)
     block = 4096
     _targets_kernel[(1,)](
-        targets, local, keep, counts, scale, n, ignore_index, vocab, start, shard, MEAN=mean, BLOCK=block,
+        targets, local, keep, counts, scale, n, ignore_index, vocab, start, shard, PER_KEPT=per_kept, BLOCK=block,
         num_warps=8 if targets.is_cuda else 1,
     )
     return local, keep, counts, scale

@@ -121,21 +121,21 @@ def check_inputs(
 
 
 def prepare_targets(
-    targets, ignore_index: int, vocab: int, start: int, shard: int, mean: bool, use_triton: bool
+    targets, ignore_index: int, vocab: int, start: int, shard: int, per_kept: bool, use_triton: bool
 ):
     """(local, keep, counts, scale) of the flat targets, as kernels.prepare_targets defines them:
     one Triton launch on the Triton path, the same from PyTorch ops otherwise. No host sync."""
     if use_triton:
         from cce_parallel.kernels.targets import prepare_targets as launch
 
-        return launch(targets, ignore_index, vocab, start, shard, mean)
+        return launch(targets, ignore_index, vocab, start, shard, per_kept)
     t = targets.long()
     keep = t != ignore_index
     local = torch.where(keep & (t >= start) & (t < start + shard), t - start, -1)
     n_keep = keep.sum()
     counts = torch.stack([n_keep, (keep & ((t < 0) | (t >= vocab))).sum()])
     one = torch.ones((), device=t.device, dtype=torch.float32)
-    return local, keep, counts, one / n_keep.clamp(min=1) if mean else one
+    return local, keep, counts, one / n_keep.clamp(min=1) if per_kept else one
 
 
 class TargetCheck:

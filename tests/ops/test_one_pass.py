@@ -417,9 +417,9 @@ def test_rows_summed_into_a_narrow_tensor(dtype, device):
     assert torch.equal(got.cpu()[untouched], out[untouched])
 
 
-@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("per_kept", [True, False])
 @pytest.mark.parametrize("start, shard", [(0, 20), (5, 7)])
-def test_targets_pass_matches_pytorch(start, shard, mean, device):
+def test_targets_pass_matches_pytorch(start, shard, per_kept, device):
     """kernels.prepare_targets (one launch) against functional.prepare_targets' PyTorch ops: rows in
     the shard, kept tokens (ignore_index inside the vocabulary too), counts, and 1 / kept."""
     from cce_parallel.kernels.targets import prepare_targets as launch
@@ -429,8 +429,8 @@ def test_targets_pass_matches_pytorch(start, shard, mean, device):
     t = torch.randint(-3, 24, (300,), generator=g)  # -3..-1 and 20..23 lie outside [0, 20)
     t[::7] = -100
     for targets, ignore in ((t, -100), (t.to(torch.int32), 4), (torch.full((9,), -100), -100)):
-        got = launch(targets.to(device), ignore, 20, start, shard, mean)
-        want = prepare_targets(targets, ignore, 20, start, shard, mean, use_triton=False)
+        got = launch(targets.to(device), ignore, 20, start, shard, per_kept)
+        want = prepare_targets(targets, ignore, 20, start, shard, per_kept, use_triton=False)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and torch.equal(a.cpu(), b), (a, b)
 
