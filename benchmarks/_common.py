@@ -108,6 +108,9 @@ ZIPF_S = 1.1
 TRAINED_CANDIDATES = 50
 TRAINED_RANK_S = 1.0
 TRAINED_BACKGROUND = 0.05
+# Confident regime: the share of rows whose target gets this probability.
+CONFIDENT_SHARE = 0.5
+CONFIDENT_P = 0.99
 
 REGIMES = {
     "random": (
@@ -123,6 +126,11 @@ REGIMES = {
         "squares over the plausible rows, plus a random part orthogonal to them); the target is drawn "
         "from the plausible tokens by their probability. So ~50 entries per row reach 2^-12 and the "
         "loss is ~3 nats, as the CCE paper measured on real models"
+    ),
+    "confident": (
+        f"trained, except that on {CONFIDENT_SHARE:.0%} of the rows (evenly spread) the model is sure of the "
+        f"target: e moves along the target's row of c until p(target) = {CONFIDENT_P} (as a trained language "
+        "model is for many tokens); it checks the accuracy of a logit gradient p - 1 that is small beside p"
     ),
 }
 
@@ -170,7 +178,7 @@ def make_inputs(
         e = torch.randn(N, D, device=device, generator=gen).to(dtype)
         t = torch.randint(0, V, (N,), device=device, generator=gen)
         return e, c, t
-    if regime != "trained":
+    if regime not in ("trained", "confident"):
         raise ValueError(f"unknown regime {regime!r}; known: {', '.join(REGIMES)}")
     K = min(TRAINED_CANDIDATES, V, D)
     ids = _distinct_zipf_ids(N, K, V, gen, device)
@@ -193,7 +201,25 @@ def make_inputs(
         proj = torch.linalg.solve(gram, (rows @ w.unsqueeze(2)))
         w = w - (rows.transpose(1, 2) @ proj).squeeze(2)
         e[s : s + step] = (sig + w).to(dtype)
+    if regime == "confident":
+        _make_confident(e, c, t, step)
     return e, c, t
+
+
+def _make_confident(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, step: int) -> None:
+    """In place: on every 1 / CONFIDENT_SHARE-th row, move e along c[target] until the target's
+    logit is log(CONFIDENT_P / (1 - CONFIDENT_P)) above the log-sum-exp of the others."""
+    rows = torch.arange(0, e.shape[0], max(1, round(1 / CONFIDENT_SHARE)), device=e.device)
+    for s in range(0, rows.numel(), step):
+        r = rows[s : s + step]
+        z = e[r].float() @ c.float().T
+        tr = t[r][:, None]
+        zt = z.gather(1, tr).squeeze(1)
+        rest = torch.logsumexp(z.scatter_(1, tr, float("-inf")), dim=1)
+        ct = c[t[r]].float()
+        alpha = rest + math.log(CONFIDENT_P / (1 - CONFIDENT_P)) - zt
+        e[r] = (e[r].float() + alpha[:, None] * ct / (ct * ct).sum(1, keepdim=True)).to(e.dtype)
+        del z
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from cce_parallel.kernels.from_logits import (
 )
 from cce_parallel.kernels.probs_gemm import logits_probs
 from cce_parallel.kernels.scaled import scale_, scaled_copy
-from cce_parallel.kernels.target_rows import add_rows_summed, scale_sub_rows
+from cce_parallel.kernels.target_rows import add_rows_summed, fold_rows, scale_sub_rows
 
 __all__ = [
     "KernelConfig",
@@ -18,6 +18,7 @@ __all__ = [
     "default_config",
     "dz_from_logits",
     "dz_rows_in_place",
+    "fold_rows",
     "grad_scale",
     "logits_probs",
     "scale_",

@@ -27,12 +27,12 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   fp32 logit chunks into the statistics; the backward recomputes them and adds dE and dC chunk by
   chunk. Four logit-sized GEMMs, memory within about 100 MB of dE + dC.
 
-Accumulation: dE is summed in fp32 over the vocabulary (and over tensor-parallel ranks), dC over
-token blocks in fp32 (added into Megatron's main_grad at backward where there is one), each rounded
-once. Summing dC in bf16 over the blocks, as the paper's CCE does, would save V x D x 2 bytes but
-measured worse than plain bf16 PyTorch (README, "Accuracy"); from one block (no sum over blocks)
-the dC GEMM writes bf16 directly, the target rows rounded once more (kernels/target_rows.py).
-Nothing is filtered: on realistic data block sparsity is too low for skipping to pay (README,
+Accumulation: dE is summed in fp32 over the vocabulary (and over tensor-parallel ranks) and
+rounded once. dC is summed over the token blocks in the input dtype by the dC GEMMs themselves,
+except for the batch's target rows, which are summed in fp32 outside dC and rounded into it once
+with their target term (one_pass, kernels/target_rows.py): summing those in bf16 too measured worse
+than plain bf16 PyTorch (README, "Accuracy"). Into Megatron's main_grad dC is summed in fp32 and
+added at backward; so it is for the two-pass variant and label smoothing. Nothing is filtered: on realistic data block sparsity is too low for skipping to pay (README,
 "Gradient filtering"). Everything is
 deterministic: library GEMMs and kernels without atomics.
 
@@ -260,9 +260,9 @@ def _stats_of_block(x, bias, targets, cfg, comm):
 def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: bool = False):
     """(lse, zt, zsum, dE, dC, dbias) with the gradients of sum_t g_rows[t] * loss[t] (g_rows: fp32
     [n], the kept tokens' grad_scale, 0 at ignored ones, whose gradients are thus 0): dE the fp32
-    partial sum over this rank's vocabulary, dbias fp32, dC fp32 (in c's dtype when one GEMM makes
-    it, see dc_dtype below, unless it goes into an fp32 `main_grad`); None where not needed. See
-    the module docstring.
+    partial sum over this rank's vocabulary, dbias fp32, dC in c's dtype (fp32 where it goes into
+    an fp32 `main_grad`, and on the paths dc_dtype below names); None where not needed. See the
+    module docstring.
 
     Per block the fused GEMM writes W = exp(z - ref) (times the softcap's 1 - tanh^2) in the input
     dtype, ref being a per-row offset it picks within 44.4 nats of the row's largest logit on this
@@ -272,7 +272,7 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
     w = A r / S, the logit gradient is w W - B' [v == target] - U, so that dE = w (W C) - B'
     C[target] (fp32, exact scaling) and dC += W^T (w E) - scatter of B' E over the targets (w E
     rounded to the input dtype once, as the logit gradient itself is in plain PyTorch; the target
-    term in fp32). fp16 inputs take the two-pass variant instead (W would pass fp16's range): fp32
+    term in fp32, or folded into W's entry where the target's p >= 1/2: see _fused_products). fp16 inputs take the two-pass variant instead (W would pass fp16's range): fp32
     logits from the library GEMM, a statistics pass for lse, then the logit gradient in place; so
     does softcap with label smoothing (its uniform term gets the softcap's factor per entry, which
     W cannot carry).
@@ -290,12 +290,16 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
     # largest shard.
     buf_dtype = e.dtype if fused else torch.float32
     nt = token_block(n, max(v, cfg.block_vocab), cfg.logits_budget, buf_dtype.itemsize)
-    # dC in c's dtype when one GEMM makes it (one block, no uniform term): V x D x 2 bytes less,
-    # rounded once, and once more on the target rows when their target term (summed in fp32) is
-    # added. Over several blocks it sums in fp32: partial sums rounded to bf16 measured worse than
-    # plain PyTorch on random data (README, "Accuracy"). Into Megatron's fp32 main_grad it goes
-    # unrounded, as Megatron's own weight gradient does.
-    dc_dtype = c.dtype if fused and nt >= n and not uniform and not main_grad else torch.float32
+    # dC in c's dtype on the fused path without a uniform term: the first block's GEMM writes it,
+    # later blocks' GEMMs add to it (each rounded once). The batch's target rows, where the target
+    # term cancels much of the GEMM's sum, are kept out of that: before each later block they move
+    # into an fp32 buffer (kernels.fold_rows), so each holds an fp32 sum of once-rounded block
+    # parts, to which the target term is added in fp32 and which is rounded into dC once at the
+    # end. That is at least as accurate as one block and as plain bf16 PyTorch (README,
+    # "Accuracy"), and needs no V x D fp32 sum. Into Megatron's fp32 main_grad dC goes unrounded,
+    # as Megatron's own weight gradient does; the two-pass variant and label smoothing sum in fp32.
+    low = fused and not uniform and not main_grad
+    dc_dtype = c.dtype if low else torch.float32
     # Every block writes its rows of dE; the first block writes dC (beta = 0), later ones add.
     alloc = torch.empty if n > 0 else torch.zeros
     de = alloc((n, d), **f32) if cfg.need_de else None
@@ -307,6 +311,9 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
     csum = c.sum(dim=0, dtype=torch.float32) if fused and uniform and de is not None else None
     u_rows = torch.zeros(d, **f32) if fused and uniform and dc is not None else None
     buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
+    # bf16 dC: each token's target term coefficient, and over several blocks the target rows' sums.
+    b_all = torch.empty(n, **f32) if low and dc is not None else None
+    slots = _TargetRows(targets, v, d) if b_all is not None and nt < n else None
     # The two-pass variant's fp16 logit gradients are stored times a power of two that brings the
     # largest per-token weight (grad_scale) near 1: one scale for all blocks, divided out at the end.
     if fused:
@@ -320,6 +327,8 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
         x = buf[: rows.stop - t0, :v]
         e_b, t_b = e[rows], targets[rows]
         if fused:
+            if slots is not None and t0 > 0:
+                slots.fold(dc, back=False)  # the target rows' sums so far leave dC
             w_mat, ref, s, zt_b, zs = kernels.logits_probs(
                 e_b, c, bias, t_b, x, softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel
             )
@@ -327,10 +336,13 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
             lse[rows] = m + torch.log(s_all)
             if zsum is not None:
                 zsum[rows] = zs
-            target_term = _fused_products(
-                w_mat, torch.exp(ref - m) / s_all, e_b, c, t_b, g_rows[rows], cfg, lse[rows], zt[rows],
+            b = _fused_products(
+                w_mat, ref, torch.exp(ref - m) / s_all, e_b, c, t_b, g_rows[rows], cfg, lse[rows], zt[rows],
                 de[rows] if de is not None else None, dc, db, csum, u_rows, first=t0 == 0,
+                dc_target=b_all is None,
             )
+            if b_all is not None:
+                b_all[rows] = b
             continue
         logits_into(x, e_b, c)
         m, se, zt[rows], zs = _stats_of_block(x, bias, t_b, cfg, comm)
@@ -344,22 +356,28 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
         for t in (de, dc, db):  # the products' power-of-two scale, divided out once (exact)
             if t is not None:
                 t.div_(scale)
-    if dc is not None and dc.dtype != torch.float32:
-        # One block: its target term, each target row's sum in fp32, rounded into dC once.
-        cols, b = target_term
-        kernels.add_rows_summed(dc, cols, e, b[:, 0].neg())
+    if b_all is not None:
+        # The target term, each target row's sum in fp32, rounded into dC once (with the row's
+        # block parts over several blocks).
+        if slots is None:
+            kernels.add_rows_summed(dc, targets.clamp(0, v - 1), e, b_all.neg_())
+        else:
+            kernels.add_rows_summed(slots.acc, slots.slot, e, b_all.neg_())
+            slots.fold(dc, back=True)
     if u_rows is not None:
         dc.sub_(u_rows.to(dc.dtype)[None, :])
     return lse, zt, zsum, de, dc, db
 
 
-def _fused_products(w_mat, r_over_s, e, c, targets, g_rows, cfg, lse, zt, de_rows, dc, db, csum, u_rows, *,
-                    first):
-    """dE rows, dC and dbias of one block from W (see one_pass): the gradient is w W - B' [target] - U
-    with w = A r / S per token (r_over_s). The target term stays out of W: rounded into W's target entry it would
-    lose 2^-9 of what is, for an untrained model, most of each row's gradient. It is added in fp32
-    from the target rows of C and E instead (index_put_ with accumulate is deterministic); into a
-    dC in c's dtype by the caller, who gets (target rows, B' [k, 1]) back."""
+def _fused_products(w_mat, ref, r_over_s, e, c, targets, g_rows, cfg, lse, zt, de_rows, dc, db, csum, u_rows,
+                    *, first, dc_target):
+    """dE rows, dC and dbias of one block from W (see one_pass; ref: each row's reference, W =
+    exp(z - ref)): the gradient is w W - B' [target] - U with w = A r / S per token (r_over_s).
+    Where the target is unlikely (p < 1/2) its term stays out of W: rounded into W's target entry
+    it would lose 2^-9 of what is, for an untrained model, most of each row's gradient. It is
+    added in fp32 from the target rows of C and E instead (index_put_ with accumulate is
+    deterministic), into dC here where dc_target (an fp32 dC), else by the caller (one_pass), who
+    gets B' [k] back (0 where the target is not in this shard or went into W)."""
     from cce_parallel import kernels
 
     a, b, u = coefficients(g_rows, None, lse, cfg)
@@ -368,8 +386,20 @@ def _fused_products(w_mat, r_over_s, e, c, targets, g_rows, cfg, lse, zt, de_row
     here = (targets >= 0) & (targets < v)
     if cfg.softcap is not None:
         b = b * (1.0 - (zt / cfg.softcap) ** 2)  # d z / d x at the target: 1 - tanh^2
-    b = torch.where(here, b, 0.0)[:, None]  # rows whose target another rank holds add nothing here
+    b = torch.where(here, b, 0.0)  # rows whose target another rank holds add nothing here
     cols = targets.clamp(0, v - 1)
+    # A confident target (p >= 1/2) goes into W after all: its entry's gradient A p - B' is small
+    # beside A p, which W holds rounded (2^-9 of p), so rounding first and subtracting after
+    # would lose up to p / (1 - p) of it (plain PyTorch rounds A p - B', as the lean path does).
+    # The entry becomes exp(z_t - ref) - B' / w from fp32 values (z at the target is exact, and
+    # for p >= 1/2 the difference is too), rounded once; its B' is then 0.
+    k = torch.arange(targets.shape[0], device=w_mat.device)
+    fold = here & (w != 0) & (zt - lse >= -0.6931471805599453)
+    w_t = torch.exp(zt - ref)
+    if cfg.softcap is not None:
+        w_t = w_t * (1.0 - (zt / cfg.softcap) ** 2)
+    w_mat[k, cols] = torch.where(fold, w_t - b / w, w_mat[k, cols].float()).to(w_mat.dtype)
+    b = torch.where(fold, 0.0, b)[:, None]
     if de_rows is not None:
         _mm_into(de_rows, w_mat, c, accumulate=False)
         kernels.scale_sub_rows(de_rows, w, b[:, 0], c, cols)
@@ -378,7 +408,7 @@ def _fused_products(w_mat, r_over_s, e, c, targets, g_rows, cfg, lse, zt, de_row
     if dc is not None:
         # Products in fp32, each rounded once, in one elementwise pass (no fp32 copy of e).
         _mm_into(dc, w_mat.t(), torch.mul(e, w[:, None], out=torch.empty_like(e)), accumulate=not first)
-        if dc.dtype == torch.float32:
+        if dc_target:
             dc.index_put_((cols,), torch.mul(e, -b), accumulate=True)
         if u is not None:
             u_rows.add_(u @ e.float())
@@ -387,7 +417,35 @@ def _fused_products(w_mat, r_over_s, e, c, targets, g_rows, cfg, lse, zt, de_row
         db.index_put_((cols,), -b[:, 0], accumulate=True)
         if u is not None:
             db.sub_(u.sum())
-    return cols, b
+    return b[:, 0]
+
+
+class _TargetRows:
+    """The distinct targets in [0, v) of a call's tokens, numbered in increasing order without a
+    host sync (sorting and prefix sums on the device), and an fp32 row for each: rows [n] int64
+    (number -> row of c, -1 past the last), slot [n] int64 (each token's number; for a token
+    whose target is not in [0, v), a neighbour's, which its zero weight leaves alone), acc fp32
+    [min(n, v), D]."""
+
+    def __init__(self, targets, v: int, d: int):
+        n = targets.numel()
+        here = (targets >= 0) & (targets < v)
+        ordered, order = torch.sort(torch.where(here, targets, v))
+        first = torch.ones_like(here)
+        first[1:] = ordered[1:] != ordered[:-1]
+        first &= ordered < v
+        numbers = (torch.cumsum(first, 0) - 1).clamp_min_(0)
+        self.slot = torch.empty_like(numbers).scatter_(0, order, numbers)
+        rows = torch.full((n + 1,), -1, device=targets.device, dtype=torch.int64)
+        rows.scatter_(0, torch.where(first, numbers, n), ordered)  # the others land on rows[n]
+        s = min(n, v)
+        self.rows = rows[:s]
+        self.acc = torch.zeros((s, d), device=targets.device, dtype=torch.float32)
+
+    def fold(self, dc, *, back: bool):
+        from cce_parallel import kernels
+
+        kernels.fold_rows(dc, self.acc, self.rows, back=back)
 
 
 def _two_pass_products(x, e, c, bias, targets, g_rows, scale, cfg, lse, de_rows, dc, db, *, first):
