@@ -245,7 +245,8 @@ class LossConfig(Section):
     logits_budget: int | Literal["auto", "lean"] = "auto"
     """Bytes of the logits buffer per token block when the loss computes its gradients in the forward
     (the one-pass path, three logit-sized GEMMs; logits in the input dtype, fp32 for fp16): ``auto``
-    (3 GiB), a number of bytes, or ``lean`` / 0 (recompute the logits in the backward: four GEMMs,
+    (a quarter of the micro-batch's logits over this rank's shard, within 512 MiB .. 2 GiB), a
+    number of bytes, or ``lean`` / 0 (recompute the logits in the backward: four GEMMs,
     about 100 MB above ∇E + ∇C) (CCE impls only)."""
     kernel_config: dict[str, int] = field(default_factory=dict)
     """Overrides of the CCE kernels' launch settings (fields of ``cce_parallel.kernels.KernelConfig``,

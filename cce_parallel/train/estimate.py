@@ -33,7 +33,8 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
   buffer (loss.logits_budget, equal token blocks of N·V/tp logits at most, in the compute dtype;
   fp32 for fp16 and for softcap with label smoothing) with an fp32 [block, h] temporary, and the
   gradients in the compute dtype that the backward returns; in bf16 without label smoothing, when
-  one block holds all N tokens and no fp32 main_grad takes ∇C, ∇C and the temporary are bf16;
+  no fp32 main_grad takes ∇C, ∇C and the temporary are bf16, and over several blocks an fp32
+  row per distinct target (at most min(N, V/tp)) is added;
   CCE, lean: ∇E + ∇C in the compute dtype plus a workspace of at most 64 MiB.
 """
 
@@ -183,19 +184,25 @@ def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype, *
 
     width = torch.empty((), dtype=dtype).element_size()
     outputs = (n_tokens * h + shard * h) * width
-    budget = resolve_logits_budget(recipe.loss.logits_budget)
+    loss = recipe.loss
+    fused = fused_one_pass(dtype, loss.softcap, loss.label_smoothing)
+    logit_width = width if fused else 4
+    rows = math.ceil(shard)
+    budget = resolve_logits_budget(loss.logits_budget, n_tokens * rows * logit_width)
     if budget == 0:
         return outputs + (64 << 20)
-    loss = recipe.loss
-    logit_width = width if fused_one_pass(dtype, loss.softcap, loss.label_smoothing) else 4
-    block = token_block(n_tokens, math.ceil(shard), budget, logit_width)
-    # dC in the input dtype when one block holds every token (bf16, no label smoothing), else fp32
-    one_gemm = block == n_tokens and dtype == torch.bfloat16 and recipe.loss.label_smoothing == 0 and not main_grad
+    block = token_block(n_tokens, rows, budget, logit_width)
+    # dC in the input dtype on the fused path without label smoothing (ops/autograd.py: one_pass)
+    low = fused and loss.label_smoothing == 0 and not main_grad
     # the buffer beside a [block, h] temporary: fp32 (the target term), or in the input dtype
-    # when the target term goes straight into a bf16 dC
-    during = block * (shard * logit_width + (width if one_gemm else 4) * h)
-    # fp32 dE, dC (as above), and the larger of the above and the returned gradients
-    return n_tokens * h * 4 + shard * h * (width if one_gemm else 4) + max(during, outputs)
+    # when the target term goes into a bf16 dC at the end; over several blocks the target rows
+    during = block * (shard * logit_width + (width if low else 4) * h)
+    if low and block < n_tokens:
+        during += min(n_tokens, rows) * h * 4
+    if low:  # fp32 dE, the bf16 dC, and the larger of the above and the returned dE
+        return n_tokens * h * 4 + shard * h * width + max(during, n_tokens * h * width)
+    # fp32 dE and dC, and the larger of the above and the returned gradients
+    return n_tokens * h * 4 + shard * h * 4 + max(during, outputs)
 
 
 def activation_bytes(recipe: Recipe, *, layers: int, in_flight: int, width: int) -> float:

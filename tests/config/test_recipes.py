@@ -106,16 +106,16 @@ def test_dry_run_with_pipeline_and_megatron_loss():
 
 @pytest.mark.parametrize(
     "budget, vocab, hidden, measured_mib",
-    [("auto", 256000, 2304, 4359), ("lean", 256000, 2304, 1258), ("2147483648", 152064, 3584, 3437),
-     ("auto", 152064, 3584, 3585), ("auto", 128256, 4096, 3199), ("auto", 32064, 3072, 834)],
+    [("auto", 256000, 2304, 2285), ("lean", 256000, 2304, 1258), ("3221225472", 152064, 3584, 3585),
+     ("3221225472", 256000, 2304, 3302), ("auto", 152064, 3584, 1872), ("auto", 128256, 4096, 1775),
+     ("auto", 32064, 3072, 835), ("268435456", 32064, 3072, 655)],
 )
 def test_dry_run_cce_loss_memory_matches_a_measured_peak(budget, vocab, hidden, measured_mib):
     """The estimate of the CCE loss layer against the peaks measured on an H100 (8,192 tokens,
-    bf16; benchmarks/results/h100_20261124.md and, for the 2 GiB budget, h100_20261124_extra.md)
-    for the heads of Gemma 2 2B (one-pass, two blocks of 4,096 tokens, and lean), Qwen 2.5 7B
-    (2 GiB: two blocks of 4,096 tokens, not one of 7,224 and one of 968, and an fp32 ∇C), and Qwen
-    2.5 7B, Llama 3 8B and Phi 3.5 mini with the default budget, whose tokens fit one block: ∇C in
-    bf16."""
+    bf16; benchmarks/results/h100_20261124.md, and h100_20261124_budgets.md for 3 GiB and 256 MiB)
+    for the heads of Gemma 2 2B, Qwen 2.5 7B, Llama 3 8B (auto: four blocks of 2,048 tokens, bf16
+    dC and fp32 target rows), Phi 3.5 mini (auto: one block), Gemma 2 2B lean, Qwen 2.5 7B in one
+    block and Gemma 2 2B in two at 3 GiB, and Phi 3.5 mini in two at 256 MiB."""
     import torch
 
     from cce_parallel.train.estimate import cce_loss_bytes
@@ -127,8 +127,8 @@ def test_dry_run_cce_loss_memory_matches_a_measured_peak(budget, vocab, hidden, 
 
 def test_dry_run_cce_loss_memory_follows_the_path():
     """softcap with label smoothing takes the two-pass variant, whose buffer holds fp32 logits:
-    half the tokens per block of the same budget, the same buffer bytes, more blocks. From one
-    block dC is bf16, but fp32 where it goes into an fp32 main_grad."""
+    twice the bytes of "auto"'s quarter of the logits, half the tokens per block, fp32 dC. On the
+    fused path dC is bf16, but fp32 where it goes into an fp32 main_grad."""
     import torch
 
     from cce_parallel.train.estimate import cce_loss_bytes
@@ -138,13 +138,14 @@ def test_dry_run_cce_loss_memory_follows_the_path():
         return cce_loss_bytes(recipe, 8192, 256000, 2304, torch.bfloat16) / 2**20
 
     fused, two_pass = mib("loss.softcap=30.0"), mib("loss.softcap=30.0", "loss.label_smoothing=0.1")
-    # One block (Llama 3 8B's head): bf16 dC, unless an fp32 main_grad takes it.
+    # One block (Phi 3.5 mini's head): bf16 dC, unless an fp32 main_grad takes it.
     recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", ["loss.logits_budget=auto"])
-    one_block = [cce_loss_bytes(recipe, 8192, 128256, 4096, torch.bfloat16, main_grad=g) for g in (False, True)]
-    assert one_block[1] - one_block[0] == 128256 * 4096 * 2 + 8192 * 4096 * 2
+    one_block = [cce_loss_bytes(recipe, 8192, 32064, 3072, torch.bfloat16, main_grad=g) for g in (False, True)]
+    assert one_block[1] - one_block[0] == 32064 * 3072 * 2 + 8192 * 3072 * 2
     assert fused == mib() and two_pass != fused
-    # 3 GiB of fp32 logits hold 3,145 rows of 256,000: three equal blocks of 2,731 tokens.
-    assert abs(two_pass - (4 * (8192 + 256000) * 2304 + 2731 * (256000 * 4 + 4 * 2304)) / 2**20) < 1
+    # 2 GiB (a quarter of 8,192 x 256,000 fp32 logits, capped) hold 2,097 rows of 256,000: four
+    # equal blocks of 2,048 tokens.
+    assert abs(two_pass - (4 * (8192 + 256000) * 2304 + 2048 * (256000 * 4 + 4 * 2304)) / 2**20) < 1
 
 
 def test_dry_run_activations_shrink_with_recompute():
