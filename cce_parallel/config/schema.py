@@ -245,9 +245,10 @@ class LossConfig(Section):
     logits_budget: int | Literal["auto", "lean"] = "auto"
     """Bytes of the logits buffer per token block when the loss computes its gradients in the forward
     (the one-pass path, three logit-sized GEMMs; logits in the input dtype, fp32 for fp16): ``auto``
-    (a quarter of the micro-batch's logits over this rank's shard, within 512 MiB .. 2 GiB), a
-    number of bytes, or ``lean`` / 0 (recompute the logits in the backward: four GEMMs,
-    about 100 MB above ∇E + ∇C) (CCE impls only)."""
+    (a quarter of the micro-batch's logits over this rank's shard where ∇C sums in bf16, all of
+    them where it sums in fp32, within 512 MiB .. 3 GiB), a number of bytes, or ``lean`` / 0
+    (recompute the logits in the backward: four GEMMs, about 100 MB above ∇E + ∇C) (CCE impls
+    only)."""
     kernel_config: dict[str, int] = field(default_factory=dict)
     """Overrides of the CCE kernels' launch settings (fields of ``cce_parallel.kernels.KernelConfig``,
     checked when the run starts), exported as ``CCE_PARALLEL_KERNEL_CONFIG`` unless that variable

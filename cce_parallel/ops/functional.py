@@ -19,13 +19,14 @@ IMPLS = tuple(IMPL_TRAITS)
 REDUCTIONS = ("none", "sum", "mean")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# "auto" logits budget: a quarter of the call's logits (over the largest shard, in the buffer's
-# dtype), within these bytes. Measured on an H100 (README, "Which budget"): since dC sums over the
-# token blocks in bf16, four blocks cost 0-3 % more time than one at 8,192 tokens of Llama 3 8B,
-# Qwen 2.5 7B and Gemma 2 2B, for a logits buffer a quarter the size; past four blocks of blocks
-# below 512 MiB the dC GEMMs slow down (Gemma 2 2B: +12 % at eight). The cap keeps the buffer
-# from growing with the tokens of very long calls.
-AUTO_BUDGET = (512 << 20, 2 << 30)
+# "auto" logits budget: the call's logits (over the largest shard, in the buffer's dtype) in
+# AUTO_BUDGET_PARTS token blocks where dC is summed in bf16, in one where it is summed in fp32
+# (into Megatron's main_grad, fp16, label smoothing), each block within AUTO_BUDGET bytes.
+# Measured on an H100 (README, "Which budget"): with dC summed in bf16, four blocks of Llama 3 8B,
+# Qwen 2.5 7B or Gemma 2 2B at 8,192 tokens take 0.4-1.6 GB less than one or two, for 1-4 % more
+# time; more blocks of less than 512 MiB slow the dC GEMMs (Gemma 2 2B: +12 % at eight). An fp32
+# sum reads and writes V x D x 4 bytes per block. The cap keeps very long calls' buffers bounded.
+AUTO_BUDGET = (512 << 20, 3 << 30)
 AUTO_BUDGET_PARTS = 4
 
 _warned_fallback = set()
@@ -35,13 +36,14 @@ def _is_real(x) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool)
 
 
-def resolve_logits_budget(budget, logits_bytes: int = 0) -> int:
-    """Bytes of the one-pass logits buffer per token block: "auto" (the default: a quarter of
-    `logits_bytes`, the call's logits over the largest shard in the buffer's dtype, within
-    AUTO_BUDGET), "lean" or 0 (the lean path), or a positive int."""
+def resolve_logits_budget(budget, logits_bytes: int = 0, *, bf16_dc: bool = True) -> int:
+    """Bytes of the one-pass logits buffer per token block: "auto" (the default: `logits_bytes`,
+    the call's logits over the largest shard in the buffer's dtype, in AUTO_BUDGET_PARTS blocks
+    when dC sums in bf16 (bf16_dc), else in one, within AUTO_BUDGET), "lean" or 0 (the lean path),
+    or a positive int."""
     if budget == "auto":
         lo, hi = AUTO_BUDGET
-        return min(max(logits_bytes // AUTO_BUDGET_PARTS, lo), hi)
+        return min(max(logits_bytes // (AUTO_BUDGET_PARTS if bf16_dc else 1), lo), hi)
     if budget == "lean":
         return 0
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
@@ -204,8 +206,9 @@ def linear_cross_entropy(
         impl: one of IMPLS (see the README's table).
         logits_budget: bytes of the logits buffer per token block when gradients are computed in
             the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
-            "auto" (a quarter of the call's logits, within 512 MiB .. 2 GiB), a number of bytes,
-            or "lean" / 0 for the two-pass path that
+            "auto" (a quarter of the call's logits where dC sums in bf16, all of them where it
+            sums in fp32, within 512 MiB .. 3 GiB), a number of bytes, or "lean" / 0 for the
+            two-pass path that
             recomputes the logits in the backward (about 100 MB above dE + dC).
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
@@ -256,8 +259,11 @@ def sharded_linear_cross_entropy(
         row_ranks=world if sequence_parallel else 1,
     )
     shard = c.shape[0]
-    buffer_width = e.element_size() if autograd.fused_one_pass(e.dtype, softcap, label_smoothing) else 4
-    budget = resolve_logits_budget(logits_budget, targets.numel() * max(shard, largest_shard or 0) * buffer_width)
+    fused = autograd.fused_one_pass(e.dtype, softcap, label_smoothing)
+    budget = resolve_logits_budget(
+        logits_budget, targets.numel() * max(shard, largest_shard or 0) * (e.element_size() if fused else 4),
+        bf16_dc=fused and not label_smoothing and c_main_grad is None,
+    )
     vocab = vocab_size if vocab_size is not None else shard
     out_shape = targets.shape
     e2 = e.reshape(-1, e.shape[-1])

@@ -188,12 +188,12 @@ def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype, *
     fused = fused_one_pass(dtype, loss.softcap, loss.label_smoothing)
     logit_width = width if fused else 4
     rows = math.ceil(shard)
-    budget = resolve_logits_budget(loss.logits_budget, n_tokens * rows * logit_width)
+    # dC in the input dtype on the fused path without label smoothing (ops/autograd.py: one_pass)
+    low = fused and loss.label_smoothing == 0 and not main_grad
+    budget = resolve_logits_budget(loss.logits_budget, n_tokens * rows * logit_width, bf16_dc=low)
     if budget == 0:
         return outputs + (64 << 20)
     block = token_block(n_tokens, rows, budget, logit_width)
-    # dC in the input dtype on the fused path without label smoothing (ops/autograd.py: one_pass)
-    low = fused and loss.label_smoothing == 0 and not main_grad
     # the buffer beside a [block, h] temporary: fp32 (the target term), or in the input dtype
     # when the target term goes into a bf16 dC at the end; over several blocks the target rows
     during = block * (shard * logit_width + (width if low else 4) * h)

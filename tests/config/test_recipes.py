@@ -127,7 +127,7 @@ def test_dry_run_cce_loss_memory_matches_a_measured_peak(budget, vocab, hidden, 
 
 def test_dry_run_cce_loss_memory_follows_the_path():
     """softcap with label smoothing takes the two-pass variant, whose buffer holds fp32 logits:
-    twice the bytes of "auto"'s quarter of the logits, half the tokens per block, fp32 dC. On the
+    "auto" then asks for all the logits in one block (dC sums in fp32), capped at 3 GiB. On the
     fused path dC is bf16, but fp32 where it goes into an fp32 main_grad."""
     import torch
 
@@ -143,9 +143,9 @@ def test_dry_run_cce_loss_memory_follows_the_path():
     one_block = [cce_loss_bytes(recipe, 8192, 32064, 3072, torch.bfloat16, main_grad=g) for g in (False, True)]
     assert one_block[1] - one_block[0] == 32064 * 3072 * 2 + 8192 * 3072 * 2
     assert fused == mib() and two_pass != fused
-    # 2 GiB (a quarter of 8,192 x 256,000 fp32 logits, capped) hold 2,097 rows of 256,000: four
-    # equal blocks of 2,048 tokens.
-    assert abs(two_pass - (4 * (8192 + 256000) * 2304 + 2048 * (256000 * 4 + 4 * 2304)) / 2**20) < 1
+    # fp32 dC: all 8,192 x 256,000 fp32 logits, capped at 3 GiB, which hold 3,145 rows of 256,000:
+    # three equal blocks of 2,731 tokens.
+    assert abs(two_pass - (4 * (8192 + 256000) * 2304 + 2731 * (256000 * 4 + 4 * 2304)) / 2**20) < 1
 
 
 def test_dry_run_activations_shrink_with_recompute():

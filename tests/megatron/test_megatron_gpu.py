@@ -27,7 +27,7 @@ import traceback
 import pytest
 import torch
 
-from cce_parallel.ops.functional import DEFAULT_LOGITS_BUDGET
+from cce_parallel.ops.functional import AUTO_BUDGET
 from tests.dist import spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
@@ -294,8 +294,8 @@ def test_gpt_step_matches_megatron(world):
                     failures.append(
                         f"memory rank {rank}: cce lean {lean} B is not below {MEMORY_RATIO} × megatron {meg} B"
                     )
-                # The one-pass path adds at most its logits buffer and an fp32 dC shard to the lean one.
-                extra = DEFAULT_LOGITS_BUDGET + (256000 // 2) * 2304 * 4 + (64 << 20)
+                # The one-pass path adds at most its largest logits buffer and an fp32 dC shard to the lean one.
+                extra = AUTO_BUDGET[1] + (256000 // 2) * 2304 * 4 + (64 << 20)
                 if not cce < min(meg, lean + extra):
                     failures.append(
                         f"memory rank {rank}: cce {cce} B is not below megatron {meg} B and lean + buffer + "
