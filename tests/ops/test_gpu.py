@@ -231,9 +231,9 @@ def test_flat_index_beyond_int32(impl):
 
 @pytest.mark.parametrize("impl, budget", [("cce_kahan_full_c", "auto"), ("cce_kahan_full_c", 512 << 20), ("cce", "lean")])
 def test_peak_memory(impl, budget):
-    """Forward + backward beyond the inputs: the one-pass path needs dE + dC, its logits buffer, an
-    fp32 dE and an fp32 dC; the lean path the 64 MB chunk and an
-    fp32 dE instead of a buffer and the fp32 dC."""
+    """Forward + backward beyond the inputs: the one-pass path needs dE + dC (bf16), its logits
+    buffer, an fp32 dE and, over several token blocks, an fp32 row per distinct target (no fp32
+    dC); the lean path the 64 MB chunk and an fp32 dE instead of a buffer and the target rows."""
     from cce_parallel.ops.functional import resolve_logits_budget
 
     n, vocab, dim = 8192, 128256, 4096
@@ -258,7 +258,8 @@ def test_peak_memory(impl, budget):
     if budget == "lean":
         extra = 64 * 2**20 + n * dim * 4
     else:
-        extra = resolve_logits_budget(budget) + n * dim * 4 + vocab * dim * 4
+        logits = n * vocab * 2
+        extra = resolve_logits_budget(budget, logits) + n * dim * 4 + min(n, vocab) * dim * 4
     limit = grads + extra + 32 * 2**20
     print(
         f"\n{impl} @ {budget}: peak memory above inputs {peak / 2**20:.1f} MiB; dE + dC = "
