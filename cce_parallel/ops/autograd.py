@@ -32,9 +32,9 @@ rounded once. dC is summed over the token blocks in the input dtype by the dC GE
 except for the batch's target rows, which are summed in fp32 outside dC and rounded into it once
 with their target term (one_pass, kernels/target_rows.py): summing those in bf16 too measured worse
 than plain bf16 PyTorch (README, "Accuracy"). Into Megatron's main_grad dC is summed in fp32 and
-added at backward; so it is for the two-pass variant and label smoothing. Nothing is filtered: on realistic data block sparsity is too low for skipping to pay (README,
-"Gradient filtering"). Everything is
-deterministic: library GEMMs and kernels without atomics.
+added at backward; so it is for the two-pass variant and label smoothing. Nothing is filtered: on
+realistic data block sparsity is too low for skipping to pay (README, "Gradient filtering").
+Everything is deterministic: library GEMMs and kernels without atomics.
 
 Under tensor parallelism each rank holds a shard of the vocabulary. Per token (block), the ranks
 combine their max with one all-reduce (MAX) and their rescaled sums, target logits and logit sums
@@ -272,10 +272,11 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
     w = A r / S, the logit gradient is w W - B' [v == target] - U, so that dE = w (W C) - B'
     C[target] (fp32, exact scaling) and dC += W^T (w E) - scatter of B' E over the targets (w E
     rounded to the input dtype once, as the logit gradient itself is in plain PyTorch; the target
-    term in fp32, or folded into W's entry where the target's p >= 1/2: see _fused_products). fp16 inputs take the two-pass variant instead (W would pass fp16's range): fp32
-    logits from the library GEMM, a statistics pass for lse, then the logit gradient in place; so
-    does softcap with label smoothing (its uniform term gets the softcap's factor per entry, which
-    W cannot carry).
+    term in fp32, or folded into W's entry where the target's p >= 1/2: see _fused_products).
+    fp16 inputs take the two-pass variant instead (W would pass fp16's range): fp32 logits from
+    the library GEMM, a statistics pass for lse, then the logit gradient in place; so does softcap
+    with label smoothing (its uniform term gets the softcap's factor per entry, which W cannot
+    carry).
     """
     from cce_parallel import kernels
 

@@ -49,8 +49,7 @@ def linear_cross_entropy(
             the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
             "auto" (a quarter of the call's logits where dC sums in bf16, all of them where it
             sums in fp32, within 512 MiB .. 3 GiB), a number of bytes, or "lean" / 0 for the
-            two-pass path that
-            recomputes the logits in the backward (about 100 MB above dE + dC).
+            two-pass path that recomputes the logits in the backward (about 100 MB above dE + dC).
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
         tp_group: the tensor-parallel ProcessGroup whose ranks each hold a shard of c.
