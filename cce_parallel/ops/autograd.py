@@ -298,8 +298,9 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
     # parts, to which the target term is added in fp32 and which is rounded into dC once at the
     # end. That is at least as accurate as one block and as plain bf16 PyTorch (README,
     # "Accuracy"), and needs no V x D fp32 sum. Into Megatron's fp32 main_grad dC goes unrounded,
-    # as Megatron's own weight gradient does; the two-pass variant and label smoothing sum in fp32.
-    low = fused and not uniform and not main_grad
+    # as Megatron's own weight gradient does; the two-pass variant, label smoothing and fp32
+    # inputs sum in fp32 (the target term added per block, as into main_grad).
+    low = fused and not uniform and not main_grad and c.dtype != torch.float32
     dc_dtype = c.dtype if low else torch.float32
     # Every block writes its rows of dE; the first block writes dC (beta = 0), later ones add.
     alloc = torch.empty if n > 0 else torch.zeros

@@ -261,7 +261,7 @@ def sharded_linear_cross_entropy(
     fused = autograd.fused_one_pass(e.dtype, softcap, label_smoothing)
     budget = resolve_logits_budget(
         logits_budget, targets.numel() * max(shard, largest_shard or 0) * (e.element_size() if fused else 4),
-        bf16_dc=fused and not label_smoothing and c_main_grad is None,
+        bf16_dc=fused and not label_smoothing and c_main_grad is None and e.dtype != torch.float32,
     )
     vocab = vocab_size if vocab_size is not None else shard
     out_shape = targets.shape

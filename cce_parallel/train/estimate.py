@@ -189,7 +189,7 @@ def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype, *
     logit_width = width if fused else 4
     rows = math.ceil(shard)
     # dC in the input dtype on the fused path without label smoothing (ops/autograd.py: one_pass)
-    low = fused and loss.label_smoothing == 0 and not main_grad
+    low = fused and loss.label_smoothing == 0 and not main_grad and width < 4
     budget = resolve_logits_budget(loss.logits_budget, n_tokens * rows * logit_width, bf16_dc=low)
     if budget == 0:
         return outputs + (64 << 20)
