@@ -402,18 +402,21 @@ def _fused_products(w_mat, ref, r_over_s, e, c, targets, g_rows, cfg, lse, zt, d
         w_t = w_t * (1.0 - (zt / cfg.softcap) ** 2)
     w_mat[k, cols] = torch.where(fold, w_t - b / w, w_mat[k, cols].float()).to(w_mat.dtype)
     b = torch.where(fold, 0.0, b)[:, None]
+    if dc is not None:
+        # Products in fp32, each rounded once, in one elementwise pass (no fp32 copy of e). dC goes
+        # first, so that w E can sit in the memory of dE's rows, which the GEMM below then writes.
+        scratch = torch.empty_like(e) if de_rows is None else de_rows.view(-1).view(e.dtype)[: e.numel()].view_as(e)
+        _mm_into(dc, w_mat.t(), torch.mul(e, w[:, None], out=scratch), accumulate=not first)
+        if dc_target:  # fp32 products, which fill dE's rows exactly
+            target_rows = torch.empty(e.shape, dtype=torch.float32, device=e.device) if de_rows is None else de_rows
+            dc.index_put_((cols,), torch.mul(e, -b, out=target_rows), accumulate=True)
+        if u is not None:
+            u_rows.add_(u @ e.float())
     if de_rows is not None:
         _mm_into(de_rows, w_mat, c, accumulate=False)
         kernels.scale_sub_rows(de_rows, w, b[:, 0], c, cols)
         if u is not None:
             de_rows.addr_(u, csum, alpha=-1.0)
-    if dc is not None:
-        # Products in fp32, each rounded once, in one elementwise pass (no fp32 copy of e).
-        _mm_into(dc, w_mat.t(), torch.mul(e, w[:, None], out=torch.empty_like(e)), accumulate=not first)
-        if dc_target:
-            dc.index_put_((cols,), torch.mul(e, -b), accumulate=True)
-        if u is not None:
-            u_rows.add_(u @ e.float())
     if db is not None:
         db.add_(torch.mm(w_mat.t(), w.to(w_mat.dtype)[:, None], **_fp32_out(w_mat)).squeeze(1))
         db.index_put_((cols,), -b[:, 0], accumulate=True)

@@ -31,10 +31,10 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
   megatron: the logits [N, V/tp] in fp32 and their gradient, 8·N·V/tp;
   CCE, one-pass (the default): fp32 ∇E [N, h] and ∇C [V/tp, h], plus the larger of the logits
   buffer (loss.logits_budget, equal token blocks of N·V/tp logits at most, in the compute dtype;
-  fp32 for fp16 and for softcap with label smoothing) with an fp32 [block, h] temporary, and the
+  fp32 for fp16 and for softcap with label smoothing; ∇C's temporaries live in ∇E's rows) and the
   gradients in the compute dtype that the backward returns; in bf16 without label smoothing, when
-  no fp32 main_grad takes ∇C, ∇C and the temporary are bf16, and over several blocks an fp32
-  row per distinct target (at most min(N, V/tp)) is added;
+  no fp32 main_grad takes ∇C, ∇C is bf16, and over several blocks an fp32 row per distinct
+  target (at most min(N, V/tp)) is added;
   CCE, lean: ∇E + ∇C in the compute dtype plus a workspace of at most 64 MiB.
 """
 
@@ -194,9 +194,9 @@ def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype, *
     if budget == 0:
         return outputs + (64 << 20)
     block = token_block(n_tokens, rows, budget, logit_width)
-    # the buffer beside a [block, h] temporary: fp32 (the target term), or in the input dtype
-    # when the target term goes into a bf16 dC at the end; over several blocks the target rows
-    during = block * (shard * logit_width + (width if low else 4) * h)
+    # the buffer (dC's temporaries, w E and the target term, sit in dE's rows before the dE GEMM
+    # writes them); over several blocks the target rows
+    during = block * shard * logit_width
     if low and block < n_tokens:
         during += min(n_tokens, rows) * h * 4
     if low:  # fp32 dE, the bf16 dC, and the larger of the above and the returned dE
