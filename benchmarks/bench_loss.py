@@ -88,6 +88,7 @@ def _make_compile():
 
 UPSTREAMS = {
     "masked": "x loss_mask / count, the mask folded into ignore_index (Megatron's way, 10 % masked)",
+    "folded": "summed / count, the mask folded into ignore_index (the train job's way, 10 % masked)",
     "weighted": "x random per-token weights / N",
 }
 
@@ -102,10 +103,12 @@ def _per_token(per_token_fn, upstream: str):
             g = torch.Generator(t.device).manual_seed(1)
             cache[t] = torch.rand(t.shape, device=t.device, generator=g)
         r = cache[t]
-        if upstream == "masked":
+        if upstream in ("masked", "folded"):
             mask = (r >= 0.1).float()
             # cce_parallel.megatron.mask_labels (inlined: megatron-core need not be installed here)
-            return (per_token_fn(e, c, t.masked_fill(mask == 0, -100)) * mask).sum() / mask.sum()
+            per_token = per_token_fn(e, c, t.masked_fill(mask == 0, -100))
+            # folded: masked tokens' losses are 0, so the plain sum is the masked one (train.trainer.loss_func)
+            return (per_token.sum() if upstream == "folded" else (per_token * mask).sum()) / mask.sum()
         return (per_token_fn(e, c, t) * r).sum() / t.numel()
 
     return loss
@@ -193,8 +196,8 @@ def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> l
                 continue
             impls = list(getattr(cce_parallel, "IMPLS", ()))
             key_spec, _, upstream = key.partition("/")
-            if upstream not in ("", "masked", "weighted"):
-                raise SystemExit(f"unknown upstream {upstream!r} in {key!r}: masked or weighted")
+            if upstream not in ("", *UPSTREAMS):
+                raise SystemExit(f"unknown upstream {upstream!r} in {key!r}: {', '.join(UPSTREAMS)}")
             upstream = upstream or None
             impl_part, budget_part, budget = C.parse_ours(key_spec)
             if not impl_part:

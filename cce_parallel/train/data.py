@@ -71,8 +71,12 @@ class Batches:
         items = [self.dataset[i % len(self.dataset)] for i in indices]
         batch = {}
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
-            batch[key] = torch.stack([torch.as_tensor(item[key]) for item in items]).to(self.device, non_blocking=True)
-        return batch
+            batch[key] = torch.stack([torch.as_tensor(item[key]) for item in items])
+        # Checked here, on the host's copy: the loss folds the mask into the labels (trainer.loss_func).
+        mask = batch["loss_mask"]
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"the dataset's loss_mask must hold only 0 and 1, got {sorted(set(mask.unique().tolist()))[:8]}")
+        return {key: t.to(self.device, non_blocking=True) for key, t in batch.items()}
 
 
 def build_batches(recipe: Recipe, info, tokenizer, *, dp_rank: int, dp_size: int, device):
