@@ -75,7 +75,8 @@ class Batches:
         # Checked here, on the host's copy: the loss folds the mask into the labels (trainer.loss_func).
         mask = batch["loss_mask"]
         if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"the dataset's loss_mask must hold only 0 and 1, got {sorted(set(mask.unique().tolist()))[:8]}")
+            values = mask.unique().tolist()[:8]
+            raise ValueError(f"the dataset's loss_mask must hold only 0 and 1, got {values}")
         return {key: t.to(self.device, non_blocking=True) for key, t in batch.items()}
 
 

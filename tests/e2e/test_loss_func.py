@@ -12,11 +12,6 @@ from cce_parallel.train.data import Batches  # noqa: E402
 from cce_parallel.train.trainer import loss_func  # noqa: E402
 
 
-def _per_token(e, c, labels):
-    b, s = labels.shape
-    return cce_parallel.linear_cross_entropy(e, c, labels.reshape(-1), reduction="none").view(b, s)
-
-
 @pytest.mark.parametrize("budget", ["auto", "lean"])
 def test_folded_mask_sums_the_same_and_needs_no_per_token_check(budget, monkeypatch):
     """With the mask folded into the labels, loss_func's plain sum equals the masked sum bit for bit,
@@ -30,9 +25,9 @@ def test_folded_mask_sums_the_same_and_needs_no_per_token_check(budget, monkeypa
     mask = (torch.rand(b, s, generator=g) > 0.3).float()
     folded = mask_labels(labels, mask)
     grads, totals = [], []
+    real = autograd._uniform_over_kept
     for is_folded in (False, True):
         calls = []
-        real = autograd._uniform_over_kept
         monkeypatch.setattr(autograd, "_uniform_over_kept", lambda *a: calls.append(1) or real(*a))
         e, c = e0.clone().requires_grad_(), c0.clone().requires_grad_()
         per_token = cce_parallel.linear_cross_entropy(e, c, folded.reshape(-1), reduction="none",
