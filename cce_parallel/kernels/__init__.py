@@ -8,7 +8,7 @@ from cce_parallel.kernels.from_logits import (
     stats_from_logits,
     stats_slices,
 )
-from cce_parallel.kernels.probs_gemm import logits_probs
+from cce_parallel.kernels.probs_gemm import grad_rows, logits_probs
 from cce_parallel.kernels.scaled import scale_, scaled_copy
 from cce_parallel.kernels.target_rows import add_rows_summed, fold_rows, scale_sub_rows
 
@@ -19,6 +19,7 @@ __all__ = [
     "dz_from_logits",
     "dz_rows_in_place",
     "fold_rows",
+    "grad_rows",
     "grad_scale",
     "logits_probs",
     "scale_",

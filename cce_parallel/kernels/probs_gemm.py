@@ -20,8 +20,11 @@ the fp32 rounding of z_t itself into the loss. Tried on an H100: the GEMM 2-5 % 
 target in its epilogue, but the loss error on confident targets 4.0e-5 against plain bf16
 PyTorch's 3.1e-5.
 
-The caller gets, as before, W [N, V] and per row ref, sum_v exp(z - ref), z at the target and
-sum_v z, and turns W into the logit gradient by per-row scalars.
+The caller gets W [N, V] and per row ref, sum_v exp(z - ref), z at the target and sum_v z. Once
+those are combined over the ranks (an all-reduce between the kernels under tensor parallelism),
+_grad_rows_kernel turns them into per-row scalars that make W the logit gradient: one program per
+BLOCK_R tokens computes lse, the row's factor w and the target's coefficient, rewrites the target
+entry of W where the target is likely, and writes w E (the dC GEMM's operand) rounded once.
 """
 
 import torch
@@ -45,13 +48,14 @@ def _logits_probs_kernel(
     E,  # [N, D] hidden states: a TMA descriptor of [BLOCK_N, BLOCK_D] blocks if TMA, else a pointer
     C,  # [V, D] classifier rows: a descriptor of [BLOCK_V, BLOCK_D] blocks if TMA, else a pointer
     Bias_ptr,  # [V] bias (dummy unless HAS_BIAS)
-    Tgt_ptr,  # [N] int64 target row in this shard, outside [0, V) when not here
+    Tgt_ptr,  # [N] targets (any integer dtype): row target - start of this shard
     W_ptr,  # [N, V] out, row stride stride_w: exp(z - ref of the tile) in the input dtype
     K_ptr,  # [N, T] fp32 out: each tile's reference in BUCKET log2 units (an integer)
     S_ptr,  # [N, T] fp32 out: each tile's sum of exp(z - ref)
     Zt_ptr,  # [N] fp32: z at the target, written by the tile that holds it (the caller zeroes it)
     Zs_ptr,  # [N, T] fp32 out: each tile's sum of z (dummy unless NEED_ZSUM)
     softcap,
+    start,  # the shard's first vocabulary row
     N,
     V,
     D,
@@ -118,7 +122,7 @@ def _logits_probs_kernel(
                  mask=mask_n[:, None] & mask_v[None, :])
         tl.store(K_ptr + tile_of_row, k, mask=mask_n)
         tl.store(S_ptr + tile_of_row, s, mask=mask_n)
-        tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=-1)
+        tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=0).to(tl.int64) - start
         here = mask_n & (tgt >= pid_v * BLOCK_V) & (tgt < tl.minimum(pid_v * BLOCK_V + BLOCK_V, V))
         zt = tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
         tl.store(Zt_ptr + offs_n, zt, mask=here)
@@ -184,28 +188,35 @@ def _rows_kernel(
         tl.store(Zsum_ptr + rows, zsum, mask=mask_r)
 
 
-def logits_probs(e, c, bias, targets, out, *, softcap, need_zsum, config):
+def logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config):
     """W = exp(z - ref) (times 1 - tanh^2 with softcap) into out [N, V] (e's dtype, unit column
-    stride), z the logits of e [N, D] against c [V, D] (+ bias, softcap); return (out, ref, sum_v
-    exp(z - ref), z at the target (0 where another shard holds it), sum_v z or None), fp32 [N].
-    ref is a multiple of BUCKET / log2(e) nats within 44 nats of each row's largest z."""
+    stride), z the logits of e [N, D] against c [V, D] (+ bias, softcap), rows start .. start + V of
+    the vocabulary, and z at each target into zt (fp32 [N], zeroed by the caller: rows whose target
+    is not in this shard keep their 0; targets: contiguous [N], any integer dtype, as the caller
+    got them, so that this GEMM needs no pass over them first); return (ref, sum_v exp(z - ref),
+    sum_v z or None), fp32 [N]. ref is a multiple of BUCKET / log2(e) nats within 44 nats of each
+    row's largest z."""
     n, v = e.shape[0], c.shape[0]
     if out.shape != (n, v) or out.dtype != e.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be [{n}, {v}] {e.dtype} with unit column stride")
     if e.stride(1) != 1 or c.stride(1) != 1:
         raise ValueError("e and c must have unit column stride")
+    if zt.shape != (n,) or zt.dtype != torch.float32 or zt.stride(0) != 1:
+        raise ValueError(f"zt must be contiguous fp32 [{n}]")
+    if targets.shape != (n,) or targets.stride(0) != 1:
+        raise ValueError(f"targets must be contiguous [{n}]")
     f32 = dict(device=e.device, dtype=torch.float32)
-    zt = torch.zeros(n, **f32)
     alloc = torch.empty if n and v else torch.zeros
     ref, s = alloc(n, **f32), alloc(n, **f32)
     zsum = alloc(n, **f32) if need_zsum else None
     if n == 0 or v == 0:
-        return out, ref, s, zt, zsum
+        return ref, s, zsum
     key = (e.device, e.dtype)
     bv, stages = _FITTING.get(key, (config.probs_block_v, config.probs_num_stages))
     while True:
         try:
-            tiles, k_t, s_t, zs_t = _launch(e, c, bias, targets, out, zt, s, softcap, need_zsum, config, bv, stages)
+            tiles, k_t, s_t, zs_t = _launch(e, c, bias, targets, start, out, zt, s, softcap, need_zsum, config, bv,
+                                            stages)
             break
         except OutOfResources:
             bv, stages = _smaller(bv, stages)
@@ -215,7 +226,7 @@ def logits_probs(e, c, bias, targets, out, *, softcap, need_zsum, config):
         out, k_t, s_t, zs_t if need_zsum else s_t, ref, s, zsum if need_zsum else s, n, v, tiles, out.stride(0),
         NEED_ZSUM=need_zsum, TILE_V=bv, BLOCK_R=block_r, BLOCK_T=64, num_warps=4,
     )
-    return out, ref, s, zt, zsum
+    return ref, s, zsum
 
 
 # (device, dtype) -> (block_v, stages) of the fused GEMM, where the configured ones needed more
@@ -235,7 +246,7 @@ def _smaller(block_v: int, stages: int):
     raise OutOfResources(0, 0, "shared memory (no smaller tiling of the fused logits GEMM)")
 
 
-def _launch(e, c, bias, targets, out, zt, dummy, softcap, need_zsum, config, bv, stages):
+def _launch(e, c, bias, targets, start, out, zt, dummy, softcap, need_zsum, config, bv, stages):
     """One launch of _logits_probs_kernel with block_v = bv; returns (tiles, k_t, s_t, zs_t)."""
     n, d = e.shape
     v = c.shape[0]
@@ -252,7 +263,7 @@ def _launch(e, c, bias, targets, out, zt, dummy, softcap, need_zsum, config, bv,
     programs = min(triton.cdiv(n, bn) * tiles, config.probs_programs)
     _logits_probs_kernel[(programs,)](
         e_in, c_in, bias if bias is not None else dummy, targets, out, k_t, s_t, zt, zs_t if need_zsum else dummy,
-        float(softcap) if softcap is not None else 1.0, n, v, d, tiles, e.stride(0), c.stride(0), out.stride(0),
+        float(softcap) if softcap is not None else 1.0, start, n, v, d, tiles, e.stride(0), c.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=need_zsum, TMA=tma,
         EVEN_D=d % bd == 0, PRECISION="ieee", BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PROGRAMS=programs,
         num_warps=config.probs_num_warps, num_stages=stages,
@@ -266,3 +277,100 @@ def _tma_usable(e, c) -> bool:
     if e.is_cuda and torch.cuda.get_device_capability(e.device) < (9, 0):
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (e, c))
+
+
+@triton.jit
+def _grad_rows_kernel(
+    W_ptr,  # [k, V] W of the block (row stride stride_w); confident targets' entries rewritten
+    Ref_ptr,  # [k] fp32 this rank's reference per row: W = exp(z - ref)
+    M_ptr,  # [k] fp32 the largest reference over the ranks (any value where not finite)
+    S_ptr,  # [k] fp32 sum over the whole vocabulary of exp(z - M)
+    Zt_ptr,  # [k] fp32 z at the target (0 where no rank holds it)
+    G_ptr,  # [k] fp32 per-token weight g (0 at ignored tokens)
+    Tgt_ptr,  # [k] int64 target row in this shard, outside [0, V) when not here
+    Lse_ptr,  # [k] fp32 out: M + log S
+    Wr_ptr,  # [k] fp32 out: w, the factor of W's row in the logit gradient
+    B_ptr,  # [k] fp32 out: B', the target term left out of W (0 where it went into W)
+    E_ptr,  # [k, D] hidden states (row stride stride_e), read when SCALE_E
+    We_ptr,  # [k, D] out: w E rounded to its dtype (row stride stride_we), when SCALE_E
+    softcap,
+    z_loss,
+    keep_target,  # 1 - label smoothing
+    k,
+    V,
+    D,
+    stride_w,
+    stride_e,
+    stride_we,
+    HAS_SOFTCAP: tl.constexpr,
+    SCALE_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < k
+    ref = tl.load(Ref_ptr + rows, mask=mask_r, other=0.0)
+    m = tl.load(M_ptr + rows, mask=mask_r, other=0.0)
+    s = tl.load(S_ptr + rows, mask=mask_r, other=1.0)
+    zt = tl.load(Zt_ptr + rows, mask=mask_r, other=0.0)
+    g = tl.load(G_ptr + rows, mask=mask_r, other=0.0)
+    tgt = tl.load(Tgt_ptr + rows, mask=mask_r, other=-1)
+    # A row without a finite logit anywhere has M = -inf: measured from 0 instead, as _combine does.
+    m = tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
+    lse = m + tl.log(s)
+    a = tl.where(z_loss != 0.0, g * (1.0 + 2.0 * z_loss * lse), g)
+    w = a * (tl.exp(ref - m) / s)
+    here = (tgt >= 0) & (tgt < V)
+    b = g * keep_target
+    wt = tl.exp(zt - ref)
+    if HAS_SOFTCAP:
+        dz = 1.0 - (zt / softcap) * (zt / softcap)  # d z / d x at the target: 1 - tanh^2
+        b = b * dz
+        wt = wt * dz
+    b = tl.where(here, b, 0.0)
+    # A confident target (p >= 1/2) goes into W: its entry's gradient A p - B' is small beside A p,
+    # which W holds rounded (2^-9 of p), so rounding first and subtracting after would lose up to
+    # p / (1 - p) of it. The entry becomes exp(z_t - ref) - B' / w from fp32 values, rounded once.
+    fold = mask_r & here & (w != 0.0) & (zt - lse >= -0.6931471805599453)
+    col = tl.minimum(tl.maximum(tgt, 0), V - 1)
+    tl.store(W_ptr + rows * stride_w + col, (wt - b / tl.where(fold, w, 1.0)).to(W_ptr.dtype.element_ty), mask=fold)
+    tl.store(Lse_ptr + rows, lse, mask=mask_r)
+    tl.store(Wr_ptr + rows, w, mask=mask_r)
+    tl.store(B_ptr + rows, tl.where(fold, 0.0, b), mask=mask_r)
+    if SCALE_E:
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = mask_r[:, None] & (cols < D)[None, :]
+            x = tl.load(E_ptr + rows[:, None] * stride_e + cols[None, :], mask=mask, other=0.0)
+            tl.store(We_ptr + rows[:, None] * stride_we + cols[None, :],
+                     (x.to(tl.float32) * w[:, None]).to(We_ptr.dtype.element_ty), mask=mask)
+
+
+def grad_rows(w_mat, ref, m, s, zt, g, targets, lse, w, b, e=None, we=None, *, softcap, z_loss, label_smoothing):
+    """The per-token factors of one block's logit gradient w W - B' [v == target] - U (see
+    ops/autograd.py, one_pass), from its statistics over the whole vocabulary: M the largest of the
+    ranks' references, S = sum exp(z - M), zt, and the weights g. Writes lse = M + log S, w =
+    A exp(ref - M) / S and B' (fp32 [k], A and B' for g, z_loss and label smoothing); where the
+    target is in this shard and p >= 1/2, W's target entry becomes exp(z_t - ref) - B' / w and
+    B' = 0. With e [k, D], also we = w e rounded to we's dtype (dC's GEMM operand). One launch:
+    about 20 PyTorch ops per block before, whose host time left the GPU idle on small heads."""
+    k, v = w_mat.shape
+    for name, t in (("ref", ref), ("m", m), ("s", s), ("zt", zt), ("g", g), ("lse", lse), ("w", w), ("b", b)):
+        if t.shape != (k,) or t.dtype != torch.float32 or t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous fp32 [{k}]")
+    if targets.shape != (k,) or w_mat.stride(1) != 1:
+        raise ValueError(f"targets must be [{k}] and w_mat have unit column stride")
+    scale_e = e is not None
+    if scale_e and (e.shape != we.shape or e.shape[0] != k or e.stride(1) != 1 or we.stride(1) != 1):
+        raise ValueError(f"e and we must be [{k}, D] with unit column stride")
+    if k == 0:
+        return
+    d = e.shape[1] if scale_e else 0
+    # The interpreter (CPU) runs programs one by one: few large ones.
+    block_r, block_d = (16, 512) if w_mat.is_cuda else (64, 128)
+    _grad_rows_kernel[(triton.cdiv(k, block_r),)](
+        w_mat, ref, m, s, zt, g, targets, lse, w, b, e if scale_e else w, we if scale_e else w,
+        float(softcap) if softcap is not None else 1.0, float(z_loss), 1.0 - float(label_smoothing), k, v, d,
+        w_mat.stride(0), e.stride(0) if scale_e else 0, we.stride(0) if scale_e else 0,
+        HAS_SOFTCAP=softcap is not None, SCALE_E=scale_e, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )

@@ -130,8 +130,9 @@ def _scale_sub_rows_kernel(
     W_ptr,  # [k] fp32
     B_ptr,  # [k] fp32
     C_ptr,  # [V, D] rows to subtract (any float dtype), row stride stride_c
-    Index_ptr,  # [k] int64 in [0, V)
+    Index_ptr,  # [k] int64 row of c, clamped to [0, V) (rows outside have b = 0)
     k,
+    V,
     D,
     stride_x,
     stride_c,
@@ -144,7 +145,7 @@ def _scale_sub_rows_kernel(
     mask = mask_r[:, None] & (cols < D)[None, :]
     w = tl.load(W_ptr + rows, mask=mask_r, other=0.0)
     b = tl.load(B_ptr + rows, mask=mask_r, other=0.0)
-    idx = tl.load(Index_ptr + rows, mask=mask_r, other=0)
+    idx = tl.minimum(tl.maximum(tl.load(Index_ptr + rows, mask=mask_r, other=0), 0), V - 1)
     ptrs = X_ptr + rows[:, None] * stride_x + cols[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0)
     c = tl.load(C_ptr + idx[:, None] * stride_c + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -152,9 +153,11 @@ def _scale_sub_rows_kernel(
 
 
 def scale_sub_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, c: torch.Tensor, index: torch.Tensor):
-    """x[i] = w[i] * x[i] - b[i] * c[index[i]] in place (x fp32 [k, D], w and b fp32 [k], index in
-    [0, c.shape[0])): dE's scaling and target term in one pass, where PyTorch's mul_, index_select
-    and addcmul_ took three (0.25 ms of Phi 3.5 mini's 7.4 ms on an H100). No host sync."""
+    """x[i] = w[i] * x[i] - b[i] * c[index[i]] in place (x fp32 [k, D], w and b fp32 [k], index
+    clamped to [0, c.shape[0]), so that a target another shard holds, with b = 0, reads a row of
+    c but subtracts nothing): dE's scaling and target term in one pass, where PyTorch's mul_,
+    index_select and addcmul_ took three (0.25 ms of Phi 3.5 mini's 7.4 ms on an H100). No host
+    sync."""
     k, d = x.shape
     if x.dtype != torch.float32 or x.stride(1) != 1 or c.stride(1) != 1 or c.shape[1] != d:
         raise ValueError(f"x must be fp32 [{k}, {d}] and c [V, {d}], both with unit column stride")
@@ -166,5 +169,6 @@ def scale_sub_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, c: torch.T
     block_k, block_d = (16, 256) if x.is_cuda else (64, 128)
     grid = (triton.cdiv(k, block_k), triton.cdiv(d, block_d))
     _scale_sub_rows_kernel[grid](
-        x, w, b, c, index, k, d, x.stride(0), c.stride(0), BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
+        x, w, b, c, index, k, c.shape[0], d, x.stride(0), c.stride(0), BLOCK_K=block_k, BLOCK_D=block_d,
+        num_warps=4,
     )

@@ -15,12 +15,12 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
 - One pass (the default whenever a gradient is needed): tokens go in blocks whose logits over the
   whole local vocabulary fit `logits_budget` (in the input dtype). Per block: the fused GEMM writes
   W = exp(z - ref) of X = E_b C^T and per-row sums; those (and, under tensor parallelism, their
-  all-reduce) give lse and the loss; per-row scalars make W the logit gradient G, for g =
-  grad_scale on every kept token (0 on ignored ones); then dE_b = G C and dC += G^T E_b. That is three
-  logit-sized GEMMs in all, the fewest an exact method needs. The backward only scales these by
-  the upstream gradient g / grad_scale, which is exact when g is one number over the kept tokens
-  (reduction mean or sum, or Megatron's loss_mask / count with the mask folded into ignore_index,
-  where the ratio is 1 and nothing moves). A per-token g costs one host sync to learn that; dE,
+  all-reduce) give lse and the loss; per-row scalars (one Triton pass, kernels.grad_rows) make W
+  the logit gradient G, for g = grad_scale on every kept token (0 on ignored ones); then
+  dE_b = G C and dC += G^T E_b. That is three logit-sized GEMMs in all, the fewest an exact method
+  needs. The backward only scales these by the upstream gradient g / grad_scale, which is exact
+  when g is one number over the kept tokens (reduction mean or sum, or Megatron's loss_mask /
+  count with the mask folded into ignore_index, where the ratio is 1 and nothing moves). A per-token g costs one host sync to learn that; dE,
   linear in g per token, scales per row before it. Otherwise the result stays exact by
   recomputing dC and dbias; a gradient through the returned lse recomputes all.
 - Lean (logits_budget=0, nothing needing a gradient, and the fallbacks above): the forward folds
@@ -257,12 +257,19 @@ def _stats_of_block(x, bias, targets, cfg, comm):
 # the one-pass path
 
 
-def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: bool = False):
-    """(lse, zt, zsum, dE, dC, dbias) with the gradients of sum_t g_rows[t] * loss[t] (g_rows: fp32
-    [n], the kept tokens' grad_scale, 0 at ignored ones, whose gradients are thus 0): dE the fp32
-    partial sum over this rank's vocabulary, dbias fp32, dC in c's dtype (fp32 where it goes into
-    an fp32 `main_grad`, and on the paths dc_dtype below names); None where not needed. See the
-    module docstring.
+def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main_grad: bool = False):
+    """(lse, zt, zsum, dE, dC, dbias, prepared) with the gradients of sum_t g[t] * loss[t]: dE the
+    fp32 partial sum over this rank's vocabulary, dbias fp32, dC in c's dtype (fp32 where it goes
+    into an fp32 `main_grad`, and on the paths dc_dtype below names); None where not needed. See
+    the module docstring.
+
+    targets: the caller's (flat, contiguous), rows of c being vocabulary rows start ...
+    prepare(): the targets' pass, prepared = (each token's row of c or -1, keep, counts,
+    grad_scale) as LinearCrossEntropyFunction takes them; g = keep * grad_scale (0 at ignored
+    tokens, whose gradients are thus 0). It is called once the first block's fused GEMM is queued:
+    the host's work before that GEMM is the GPU's idle time at the start of a call (on an H100,
+    the targets' pass and its check took 0.3-0.4 ms of host time there; Phi 3.5 mini's loss and
+    gradients take 7.5 ms).
 
     Per block the fused GEMM writes W = exp(z - ref) (times the softcap's 1 - tanh^2) in the input
     dtype, ref being a per-row offset it picks within 44.4 nats of the row's largest logit on this
@@ -283,14 +290,24 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
     n, d = e.shape
     v = c.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
-    lse, zt = torch.empty(n, **f32), torch.empty(n, **f32)
-    zsum = torch.empty(n, **f32) if cfg.label_smoothing > 0 else None
     fused = fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing)
     uniform = cfg.label_smoothing > 0
     # The same token blocks on every rank (each block's statistics are all-reduced), sized by the
     # largest shard.
     buf_dtype = e.dtype if fused else torch.float32
     nt = token_block(n, max(v, cfg.block_vocab), cfg.logits_budget, buf_dtype.itemsize)
+    lse = torch.empty(n, **f32)
+    zt = (torch.zeros if fused else torch.empty)(n, **f32)  # the fused GEMM writes targets it holds
+    first = None
+    if fused and n > 0:
+        buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
+        k = min(n, nt)
+        first = kernels.logits_probs(e[:k], c, bias, targets[:k], start, buf[:k, :v], zt[:k], softcap=cfg.softcap,
+                                     need_zsum=uniform, config=cfg.kernel)
+    prepared = prepare()
+    raw, targets = targets, prepared[0]
+    g_rows = torch.mul(prepared[1], prepared[3])
+    zsum = torch.empty(n, **f32) if uniform else None
     # dC in c's dtype on the fused path without a uniform term: the first block's GEMM writes it,
     # later blocks' GEMMs add to it (each rounded once). The batch's target rows, where the target
     # term cancels much of the GEMM's sum, are kept out of that: before each later block they move
@@ -308,14 +325,18 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
     dc = alloc((v, d), device=c.device, dtype=dc_dtype) if cfg.need_dc else None
     db = torch.zeros(v, **f32) if cfg.need_db else None
     if n == 0 or v == 0:
-        return lse, zt, zsum, de, dc, db
+        return lse, zt, zsum, de, dc, db, prepared
     # -U * sum over this rank's vocabulary of C (dE) and -sum_t U_t E_t on every row of dC (added once).
     csum = c.sum(dim=0, dtype=torch.float32) if fused and uniform and de is not None else None
     u_rows = torch.zeros(d, **f32) if fused and uniform and dc is not None else None
-    buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
+    if not fused:
+        buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
     # bf16 dC: each token's target term coefficient, and over several blocks the target rows' sums.
     b_all = torch.empty(n, **f32) if low and dc is not None else None
-    slots = _TargetRows(targets, v, d) if b_all is not None and nt < n else None
+    slots = None  # made before the second block, so that the first one's GEMMs start sooner
+    # Per block, the fused path's row factors w and B' (see _fused_products).
+    w_rows = torch.empty(nt, **f32) if fused else None
+    b_rows = torch.empty(nt, **f32) if fused and b_all is None else None
     # The two-pass variant's fp16 logit gradients are stored times a power of two that brings the
     # largest per-token weight (grad_scale) near 1: one scale for all blocks, divided out at the end.
     if fused:
@@ -329,22 +350,26 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
         x = buf[: rows.stop - t0, :v]
         e_b, t_b = e[rows], targets[rows]
         if fused:
-            if slots is not None and t0 > 0:
+            if b_all is not None and t0 > 0:
+                if slots is None:
+                    slots = _TargetRows(targets, v, d)
                 slots.fold(dc, back=False)  # the target rows' sums so far leave dC
-            w_mat, ref, s, zt_b, zs = kernels.logits_probs(
-                e_b, c, bias, t_b, x, softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel
-            )
-            m, s_all, zt[rows], zs = _combine(ref, s, zt_b, zs, comm)
-            lse[rows] = m + torch.log(s_all)
+            if t0 == 0:
+                ref, s, zs = first
+            else:
+                ref, s, zs = kernels.logits_probs(e_b, c, bias, raw[rows], start, x, zt[rows], softcap=cfg.softcap,
+                                                  need_zsum=uniform, config=cfg.kernel)
+            m = ref
+            if comm.world > 1:  # the ranks' statistics: one MAX and one SUM all-reduce
+                m, s, zt[rows], zs = _combine(ref, s, zt[rows], zs, comm)
             if zsum is not None:
                 zsum[rows] = zs
-            b = _fused_products(
-                w_mat, ref, torch.exp(ref - m) / s_all, e_b, c, t_b, g_rows[rows], cfg, lse[rows], zt[rows],
-                de[rows] if de is not None else None, dc, db, csum, u_rows, first=t0 == 0,
-                dc_target=b_all is None,
+            k = rows.stop - t0
+            _fused_products(
+                x, ref, m, s, e_b, c, t_b, g_rows[rows], cfg, lse[rows], zt[rows], w_rows[:k],
+                b_all[rows] if b_all is not None else b_rows[:k], de[rows] if de is not None else None, dc, db,
+                csum, u_rows, first=t0 == 0, dc_target=b_all is None,
             )
-            if b_all is not None:
-                b_all[rows] = b
             continue
         logits_into(x, e_b, c)
         m, se, zt[rows], zs = _stats_of_block(x, bias, t_b, cfg, comm)
@@ -368,61 +393,48 @@ def one_pass(e, c, bias, targets, g_rows, cfg: LossConfig, comm, *, main_grad: b
             slots.fold(dc, back=True)
     if u_rows is not None:
         dc.sub_(u_rows.to(dc.dtype)[None, :])
-    return lse, zt, zsum, de, dc, db
+    return lse, zt, zsum, de, dc, db, prepared
 
 
-def _fused_products(w_mat, ref, r_over_s, e, c, targets, g_rows, cfg, lse, zt, de_rows, dc, db, csum, u_rows,
+def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b, de_rows, dc, db, csum, u_rows,
                     *, first, dc_target):
-    """dE rows, dC and dbias of one block from W (see one_pass; ref: each row's reference, W =
-    exp(z - ref)): the gradient is w W - B' [target] - U with w = A r / S per token (r_over_s).
-    Where the target is unlikely (p < 1/2) its term stays out of W: rounded into W's target entry
-    it would lose 2^-9 of what is, for an untrained model, most of each row's gradient. It is
-    added in fp32 from the target rows of C and E instead (index_put_ with accumulate is
-    deterministic), into dC here where dc_target (an fp32 dC), else by the caller (one_pass), who
-    gets B' [k] back (0 where the target is not in this shard or went into W)."""
+    """dE rows, dC and dbias of one block from W = exp(z - ref) and the statistics over the whole
+    vocabulary (m, s: see kernels.grad_rows, which writes lse and the per-token w and B' into the
+    given [k] buffers): the gradient is w W - B' [target] - U. Where the target is unlikely (p <
+    1/2) its term stays out of W: rounded into W's target entry it would lose 2^-9 of what is, for
+    an untrained model, most of each row's gradient. It is added in fp32 from the target rows of C
+    and E instead (index_put_ with accumulate is deterministic), into dC here where dc_target (an
+    fp32 dC), else by the caller (one_pass) from b: B' per token (0 where the target is not in
+    this shard or went into W)."""
     from cce_parallel import kernels
 
-    a, b, u = coefficients(g_rows, None, lse, cfg)
-    w = a * r_over_s
     v = c.shape[0]
-    here = (targets >= 0) & (targets < v)
-    if cfg.softcap is not None:
-        b = b * (1.0 - (zt / cfg.softcap) ** 2)  # d z / d x at the target: 1 - tanh^2
-    b = torch.where(here, b, 0.0)  # rows whose target another rank holds add nothing here
-    cols = targets.clamp(0, v - 1)
-    # A confident target (p >= 1/2) goes into W after all: its entry's gradient A p - B' is small
-    # beside A p, which W holds rounded (2^-9 of p), so rounding first and subtracting after
-    # would lose up to p / (1 - p) of it (plain PyTorch rounds A p - B', as the lean path does).
-    # The entry becomes exp(z_t - ref) - B' / w from fp32 values (z at the target is exact, and
-    # for p >= 1/2 the difference is too), rounded once; its B' is then 0.
-    k = torch.arange(targets.shape[0], device=w_mat.device)
-    fold = here & (w != 0) & (zt - lse >= -0.6931471805599453)
-    w_t = torch.exp(zt - ref)
-    if cfg.softcap is not None:
-        w_t = w_t * (1.0 - (zt / cfg.softcap) ** 2)
-    w_mat[k, cols] = torch.where(fold, w_t - b / w, w_mat[k, cols].float()).to(w_mat.dtype)
-    b = torch.where(fold, 0.0, b)[:, None]
+    # Products in fp32, each rounded once. dC goes first, so that w E can sit in the memory of dE's
+    # rows, which the GEMM below then writes.
+    we = None
     if dc is not None:
-        # Products in fp32, each rounded once, in one elementwise pass (no fp32 copy of e). dC goes
-        # first, so that w E can sit in the memory of dE's rows, which the GEMM below then writes.
-        scratch = torch.empty_like(e) if de_rows is None else de_rows.view(-1).view(e.dtype)[: e.numel()].view_as(e)
-        _mm_into(dc, w_mat.t(), torch.mul(e, w[:, None], out=scratch), accumulate=not first)
+        we = torch.empty_like(e) if de_rows is None else de_rows.view(-1).view(e.dtype)[: e.numel()].view_as(e)
+    kernels.grad_rows(w_mat, ref, m, s, zt, g_rows, targets, lse, w, b, e if we is not None else None, we,
+                      softcap=cfg.softcap, z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing)
+    u = g_rows * (cfg.label_smoothing / cfg.vocab_size) if cfg.label_smoothing > 0 else None
+    cols = targets.clamp(0, v - 1) if dc_target or db is not None else None
+    if dc is not None:
+        _mm_into(dc, w_mat.t(), we, accumulate=not first)
         if dc_target:  # fp32 products, which fill dE's rows exactly
             target_rows = torch.empty(e.shape, dtype=torch.float32, device=e.device) if de_rows is None else de_rows
-            dc.index_put_((cols,), torch.mul(e, -b, out=target_rows), accumulate=True)
+            dc.index_put_((cols,), torch.mul(e, -b[:, None], out=target_rows), accumulate=True)
         if u is not None:
             u_rows.add_(u @ e.float())
     if de_rows is not None:
         _mm_into(de_rows, w_mat, c, accumulate=False)
-        kernels.scale_sub_rows(de_rows, w, b[:, 0], c, cols)
+        kernels.scale_sub_rows(de_rows, w, b, c, targets)
         if u is not None:
             de_rows.addr_(u, csum, alpha=-1.0)
     if db is not None:
         db.add_(torch.mm(w_mat.t(), w.to(w_mat.dtype)[:, None], **_fp32_out(w_mat)).squeeze(1))
-        db.index_put_((cols,), -b[:, 0], accumulate=True)
+        db.index_put_((cols,), -b, accumulate=True)
         if u is not None:
             db.sub_(u.sum())
-    return b[:, 0]
 
 
 class _TargetRows:
@@ -655,42 +667,46 @@ def _scaled(t, ratio, dtype, one: bool = False):
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Per-token loss and log-sum-exp, fp32, for all n tokens (0 at ignored ones).
+    """Per-token loss and log-sum-exp, fp32, for all n tokens (0 at ignored ones), and the targets'
+    counts (int64 [2], the first the number of kept tokens).
 
-    e: [n_rows, D] (this rank's rows under sequence parallelism, else all n); c: [V_shard, D];
-    bias: [V_shard] or None; targets: [n] int64, the row of c holding each token's target, or -1
-    when another rank holds it or it is ignored; keep: [n] bool, the tokens that count; counts:
-    int64 [2], the first the number kept; grad_scale: fp32 [], 1 / kept for reductions "mean" and
-    "none", 1 for "sum" (the one-pass gradients are those of grad_scale * the kept tokens' loss, so
-    that the usual upstream gradient, a mean's or Megatron's loss_mask / count, leaves nothing to
-    rescale). Ignored tokens go through the kernels with zero
-    weight: no host sync decides which tokens count. c_main_grad: None, or a callable returning a
-    buffer shaped like c into which the backward adds dC (Megatron's gradient-accumulation fusion);
-    c then gets no gradient from the Function.
+    e: [n_rows, D] (this rank's rows under sequence parallelism, else all n); c: [V_shard, D], rows
+    start .. start + V_shard of the vocabulary; bias: [V_shard] or None; targets: [n], the
+    caller's, flat and contiguous; prepare(): the targets' pass (ops/functional.py), returning
+    (each token's row of c or -1 where another rank holds it or it is ignored, keep [n] bool: the
+    tokens that count, counts, grad_scale: fp32 [], 1 / kept for reductions "mean" and "none", 1
+    for "sum"). The one-pass gradients are those of grad_scale * the kept tokens' loss, so that the
+    usual upstream gradient, a mean's or Megatron's loss_mask / count, leaves nothing to rescale.
+    Ignored tokens go through the kernels with zero weight: no host sync decides which tokens
+    count. c_main_grad: None, or a callable returning a buffer shaped like c into which the
+    backward adds dC (Megatron's gradient-accumulation fusion); c then gets no gradient from the
+    Function.
     """
 
     @staticmethod
-    def forward(ctx, e, c, bias, targets, keep, counts, grad_scale, cfg: LossConfig, comm: Collectives,
+    def forward(ctx, e, c, bias, targets, start: int, prepare: Callable, cfg: LossConfig, comm: Collectives,
                 sequence_parallel: bool, c_main_grad: Optional[Callable[[], torch.Tensor]] = None):
         ctx.set_materialize_grads(False)
         e_all = comm.gather_rows(e) if sequence_parallel else e
         de = dc = db = None
         if cfg.one_pass:
-            g_rows = torch.mul(keep, grad_scale)
-            lse, zt, zsum, de, dc, db = one_pass(e_all, c, bias, targets, g_rows, cfg, comm,
-                                                 main_grad=c_main_grad is not None)
+            lse, zt, zsum, de, dc, db, prepared = one_pass(e_all, c, bias, targets, start, prepare, cfg, comm,
+                                                           main_grad=c_main_grad is not None)
             if de is not None:
                 de = _finish_de(de, comm, sequence_parallel)
         else:
-            m, se, zt, zsum = _combine(*local_stats(e_all, c, bias, targets, cfg), comm)
+            prepared = prepare()
+            m, se, zt, zsum = _combine(*local_stats(e_all, c, bias, prepared[0], cfg), comm)
             lse = m + torch.log(se)
+        targets, keep, counts, grad_scale = prepared
         loss = torch.where(keep, token_loss(lse, zt, zsum, cfg), 0.0)
         ctx.cfg, ctx.comm, ctx.sp, ctx.c_main_grad = cfg, comm, sequence_parallel, c_main_grad
         ctx.save_for_backward(e_all, c, bias, targets, keep, counts, grad_scale, lse, de, dc, db)
-        return loss, torch.where(keep, lse, 0.0)
+        ctx.mark_non_differentiable(counts)
+        return loss, torch.where(keep, lse, 0.0), counts
 
     @staticmethod
-    def backward(ctx, g_loss, g_lse):
+    def backward(ctx, g_loss, g_lse, _g_counts):
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "cce_parallel: double backward (create_graph=True, or differentiating a gradient of the loss) is "
@@ -762,7 +778,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             db = db.to(bias.dtype) if db is not None and cfg.need_db else None
         if not cfg.need_dc or ctx.c_main_grad is not None:
             dc = None  # with c_main_grad, dC went into that buffer; c's .grad is left alone
-        return de if cfg.need_de else None, dc, db, None, None, None, None, None, None, None, None
+        return de if cfg.need_de else None, dc, db, None, None, None, None, None, None, None
 
 
 def _finish_de(de, comm, sequence_parallel):

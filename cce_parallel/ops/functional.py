@@ -147,13 +147,16 @@ def prepare_targets(
 
 
 class TargetCheck:
-    """The targets' counts on their way to the host: copied without blocking when the targets' pass
-    is queued, read by `raise_if_bad` after the loss's kernels are queued. Waiting then costs no GPU
-    idle: the copy sits ahead of those kernels in the stream. Kernels treat a target outside
+    """The targets' counts on their way to the host: copied without blocking as soon as the targets'
+    pass is queued (`watch`, on the one-pass path after the first block's GEMM), read by
+    `raise_if_bad` after the loss's forward is queued. Waiting then costs the GPU no idle: the copy
+    sits ahead of most of the loss's kernels in the stream. Kernels treat a target outside
     [0, vocab) like one held by another rank, so running them before the check is harmless."""
 
-    def __init__(self, counts: torch.Tensor):
-        self.event = None
+    def __init__(self):
+        self.event = self.host = None
+
+    def watch(self, counts: torch.Tensor):
         if counts.is_cuda:
             self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
             self.host.copy_(counts, non_blocking=True)
@@ -266,17 +269,20 @@ def sharded_linear_cross_entropy(
     vocab = vocab_size if vocab_size is not None else shard
     out_shape = targets.shape
     e2 = e.reshape(-1, e.shape[-1])
-    t2 = targets.reshape(-1)
+    t2 = targets.reshape(-1).contiguous()
     use_triton = _triton_usable(impl, e.device, e.dtype)
-    # The targets' pass is queued first (the loss's kernels need it); its counts reach the host
-    # while they run, and are checked once they are queued: no host sync before the GPU has work.
-    # The one-pass gradients are made for the loss's mean over the kept tokens for reduction
-    # "none" too: Megatron's (loss * mask).sum() / mask.sum(), the mask folded into ignore_index,
-    # then needs no pass over dC in the backward.
-    t2, keep, counts, grad_scale = prepare_targets(
-        t2, ignore_index, vocab, vocab_start, shard, reduction != "sum", use_triton
-    )
-    check = TargetCheck(counts)
+    # The targets' pass runs inside the Function, on the one-pass path once the first block's GEMM
+    # is queued; its counts reach the host while the loss's kernels run, and are checked once they
+    # are queued: no host sync before the GPU has work. The one-pass gradients are made for the
+    # loss's mean over the kept tokens for reduction "none" too: Megatron's (loss * mask).sum() /
+    # mask.sum(), the mask folded into ignore_index, then needs no pass over dC in the backward.
+    check = TargetCheck()
+
+    def prepare():
+        prepared = prepare_targets(t2, ignore_index, vocab, vocab_start, shard, reduction != "sum", use_triton)
+        check.watch(prepared[2])
+        return prepared
+
     kernel_cfg = None
     if use_triton:
         from cce_parallel.kernels.config import default_config
@@ -302,8 +308,8 @@ def sharded_linear_cross_entropy(
     # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
-    loss, lse = LinearCrossEntropyFunction.apply(
-        e2.contiguous(), c_k, bias_k, t2, keep, counts, grad_scale, cfg, comm, sequence_parallel, c_main_grad
+    loss, lse, counts = LinearCrossEntropyFunction.apply(
+        e2.contiguous(), c_k, bias_k, t2, vocab_start, prepare, cfg, comm, sequence_parallel, c_main_grad
     )
     check.raise_if_bad(targets, vocab, ignore_index)
     if reduction == "none":

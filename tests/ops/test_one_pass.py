@@ -171,8 +171,9 @@ def test_fused_gemm_references_are_exact_powers_of_two(device):
     # e = z and c = the identity: the GEMM reproduces z exactly.
     e = z.float().contiguous()
     c = torch.eye(300, device=device, dtype=torch.float32)
-    out = torch.empty(6, 300, device=device, dtype=torch.float32)
-    w, ref, s, zt, _ = kernels.logits_probs(e, c, None, targets, out, softcap=None, need_zsum=False, config=cfg)
+    w = torch.empty(6, 300, device=device, dtype=torch.float32)
+    zt = torch.zeros(6, device=device)
+    ref, s, _ = kernels.logits_probs(e, c, None, targets, 0, w, zt, softcap=None, need_zsum=False, config=cfg)
     zf = e.double()
     step = 128 / math.log2(math.e)
     gap = zf.max(dim=1).values - ref.double()
@@ -189,6 +190,60 @@ def test_fused_gemm_references_are_exact_powers_of_two(device):
         assert rel_err(s[row].double(), expect[row].sum()) < 2e-6 * (1 + zf[row].abs().max())
     assert zt.tolist()[:4] == [e[0, 0].item(), e[1, 299].item(), e[2, 5].item(), e[3, 7].item()]
     assert zt[4].item() == 0.0 and zt[5].item() == e[5, 41].item()
+    # The caller's targets as they come (here int32), c holding vocabulary rows 1000 .. 1299.
+    zt2 = torch.zeros(6, device=device)
+    kernels.logits_probs(e, c, None, (targets + 1000).int(), 1000, torch.empty_like(w), zt2, softcap=None,
+                         need_zsum=False, config=cfg)
+    assert torch.equal(zt2, zt)
+
+
+@pytest.mark.parametrize("softcap, z_loss, smoothing", [(None, 0.0, 0.0), (30.0, 1e-3, 0.0), (None, 0.0, 0.1)])
+def test_grad_rows_matches_its_pytorch_definition(softcap, z_loss, smoothing, device):
+    """kernels.grad_rows against the same arithmetic in PyTorch (fp64): lse, the row factor w, the
+    target coefficient B', W's target entry rewritten only where the target is here and p >= 1/2,
+    and w E; rows whose reference lies below the ranks' largest (another rank's maximum), rows
+    whose target another shard holds, ignored rows (g = 0)."""
+    from cce_parallel import kernels
+
+    k, v, d = 37, 50, 24
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(k, v, generator=g, dtype=torch.float64) * 2
+    t = torch.randint(0, v, (k,), generator=g)
+    t[::5], t[1::7] = -1, v + 3  # held by another shard
+    z[2::3, :].scatter_(1, t.clamp(0, v - 1)[2::3, None], 9.0)  # confident targets (p >= 1/2)
+    ref = z.max(dim=1).values
+    m = ref + torch.where(torch.arange(k) % 4 == 1, 3.0, 0.0)  # another rank's larger maximum
+    s = torch.exp(z - m[:, None]).sum(dim=1) * torch.where(torch.arange(k) % 4 == 1, 1.7, 1.0)
+    here = (t >= 0) & (t < v)
+    zt = torch.where(here, z.gather(1, t.clamp(0, v - 1)[:, None]).squeeze(1), 0.0)
+    gw = torch.rand(k, generator=g, dtype=torch.float64)
+    gw[3::6] = 0.0  # ignored tokens
+    e = torch.randn(k, d, generator=g)
+    f32 = dict(device=device, dtype=torch.float32)
+    w_mat = torch.exp(z - ref[:, None]).float().to(device)
+    w_got = w_mat.clone()
+    lse, w, b = (torch.empty(k, **f32) for _ in range(3))
+    we = torch.empty(k, d, **f32)
+    kernels.grad_rows(w_got, ref.float().to(device), m.float().to(device), s.float().to(device),
+                      zt.float().to(device), gw.float().to(device), t.to(device), lse, w, b, e.to(device), we,
+                      softcap=softcap, z_loss=z_loss, label_smoothing=smoothing)
+
+    lse_want = m + torch.log(s)
+    a = gw * (1 + 2 * z_loss * lse_want)
+    w_want = a * torch.exp(ref - m) / s
+    dz = 1 - (zt / softcap) ** 2 if softcap is not None else torch.ones(k, dtype=torch.float64)
+    b_want = torch.where(here, gw * (1 - smoothing) * dz, 0.0)
+    fold = here & (w_want != 0) & (zt - lse_want >= -math.log(2))
+    assert 3 <= int(fold.sum()) < int(here.sum())  # both kinds of rows are tested
+    entry = torch.exp(zt - ref) * dz - b_want / torch.where(fold, w_want, 1.0)
+    w_want_mat = w_mat.double().cpu().clone()
+    rows = torch.arange(k)[fold]
+    w_want_mat[rows, t[fold]] = entry[fold]
+    assert rel_err(lse.double().cpu(), lse_want) < 1e-6
+    assert rel_err(w.double().cpu(), w_want) < 1e-6
+    assert rel_err(b.double().cpu(), torch.where(fold, 0.0, b_want)) < 1e-6
+    assert torch.allclose(w_got.double().cpu(), w_want_mat, rtol=1e-5, atol=1e-6)
+    assert rel_err(we.double().cpu(), e.double() * w_want[:, None]) < 1e-6
 
 
 def test_fused_gemm_falls_back_to_tiles_that_fit(device, monkeypatch):
@@ -222,8 +277,8 @@ def test_fused_gemm_falls_back_to_tiles_that_fit(device, monkeypatch):
     targets = torch.randint(0, 100, (20,), device=device, generator=g)
     for expected in ([(64, 3), (64, 2), (32, 2)], [(32, 2)]):
         tried.clear()
-        out = torch.empty(20, 100, device=device)
-        w, ref, s, zt, _ = kernels.logits_probs(e, c, None, targets, out, softcap=None, need_zsum=False, config=cfg)
+        w, zt = torch.empty(20, 100, device=device), torch.zeros(20, device=device)
+        ref, s, _ = kernels.logits_probs(e, c, None, targets, 0, w, zt, softcap=None, need_zsum=False, config=cfg)
         assert tried == expected
         z = e.double() @ c.double().t()
         assert rel_err(w.double(), torch.exp(z - ref.double()[:, None])) < 1e-5
@@ -321,16 +376,17 @@ def test_token_blocks_are_equal_and_fit_the_budget():
                 assert rows == 1 or rows * v * itemsize <= budget
 
 
-def _torch_logits_probs(e, c, bias, targets, out, *, softcap, need_zsum, config):
+def _torch_logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config):
     """A PyTorch stand-in for kernels.logits_probs (the interpreter runs Triton in fp32 only)."""
     assert softcap is None and not need_zsum
     z = e.float() @ c.float().T + (bias.float() if bias is not None else 0.0)
     ref = z.max(dim=1).values
     p = torch.exp(z - ref[:, None])
     out.copy_(p)
+    targets = targets.long() - start
     here = (targets >= 0) & (targets < c.shape[0])
-    zt = torch.where(here, z.gather(1, targets.clamp(0, c.shape[0] - 1)[:, None]).squeeze(1), 0.0)
-    return out, ref, p.sum(dim=1), zt, None
+    zt.copy_(torch.where(here, z.gather(1, targets.clamp(0, c.shape[0] - 1)[:, None]).squeeze(1), 0.0))
+    return ref, p.sum(dim=1), None
 
 
 def _torch_add_rows_summed(out, index, e, coef):
