@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import shlex
 import statistics
@@ -368,9 +369,9 @@ def time_in_rounds(
     """Time several calls side by side: `rounds` rounds, each running every (key, fn) of `calls` in
     turn (`warmup` untimed calls in the first round, one in the later ones), `repeats` timed calls
     per key in all. A clock that drifts (a card heating up) then weighs on every key alike. Each
-    round starts one key further down the list, so no key always follows the same neighbour (what
-    ran just before, e.g. a slow peer that leaves the clocks or the allocator's cache in another
-    state, then weighs on every key alike too).
+    round runs the keys in another order (a shuffle seeded by the round's number), so no key
+    always follows the same neighbour: what ran just before, e.g. a slow peer that leaves the
+    clocks or the allocator's cache in another state, then weighs on every key alike too.
 
     Returns {key: (times in ms, the exception that stopped the key or None)}; a key that failed is
     not run again, and a fatal CUDA error stops everything.
@@ -378,7 +379,9 @@ def time_in_rounds(
     out = {key: ([], None) for key, _ in calls}
     per_round = [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
     for i, n in enumerate(per_round):
-        for key, fn in calls[i % len(calls):] + calls[:i % len(calls)]:
+        order = list(calls)
+        random.Random(i).shuffle(order)
+        for key, fn in order:
             times, failed = out[key]
             if failed is not None:
                 continue
