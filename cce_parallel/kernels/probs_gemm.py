@@ -263,7 +263,8 @@ def _launch(e, c, bias, targets, start, out, zt, dummy, softcap, need_zsum, conf
     programs = min(triton.cdiv(n, bn) * tiles, config.probs_programs)
     _logits_probs_kernel[(programs,)](
         e_in, c_in, bias if bias is not None else dummy, targets, out, k_t, s_t, zt, zs_t if need_zsum else dummy,
-        float(softcap) if softcap is not None else 1.0, start, n, v, d, tiles, e.stride(0), c.stride(0), out.stride(0),
+        float(softcap) if softcap is not None else 1.0, start, n, v, d, tiles, e.stride(0), c.stride(0),
+        out.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=need_zsum, TMA=tma,
         EVEN_D=d % bd == 0, PRECISION="ieee", BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PROGRAMS=programs,
         num_warps=config.probs_num_warps, num_stages=stages,
@@ -333,7 +334,8 @@ def _grad_rows_kernel(
     # p / (1 - p) of it. The entry becomes exp(z_t - ref) - B' / w from fp32 values, rounded once.
     fold = mask_r & here & (w != 0.0) & (zt - lse >= -0.6931471805599453)
     col = tl.minimum(tl.maximum(tgt, 0), V - 1)
-    tl.store(W_ptr + rows * stride_w + col, (wt - b / tl.where(fold, w, 1.0)).to(W_ptr.dtype.element_ty), mask=fold)
+    entry = wt - b / tl.where(fold, w, 1.0)
+    tl.store(W_ptr + rows * stride_w + col, entry.to(W_ptr.dtype.element_ty), mask=fold)
     tl.store(Lse_ptr + rows, lse, mask=mask_r)
     tl.store(Wr_ptr + rows, w, mask=mask_r)
     tl.store(B_ptr + rows, tl.where(fold, 0.0, b), mask=mask_r)

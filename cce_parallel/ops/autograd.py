@@ -20,9 +20,10 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   dE_b = G C and dC += G^T E_b. That is three logit-sized GEMMs in all, the fewest an exact method
   needs. The backward only scales these by the upstream gradient g / grad_scale, which is exact
   when g is one number over the kept tokens (reduction mean or sum, or Megatron's loss_mask /
-  count with the mask folded into ignore_index, where the ratio is 1 and nothing moves). A per-token g costs one host sync to learn that; dE,
-  linear in g per token, scales per row before it. Otherwise the result stays exact by
-  recomputing dC and dbias; a gradient through the returned lse recomputes all.
+  count with the mask folded into ignore_index, where the ratio is 1 and nothing moves). A
+  per-token g costs one host sync to learn that; dE, linear in g per token, scales per row before
+  it. Otherwise the result stays exact by recomputing dC and dbias; a gradient through the
+  returned lse recomputes all.
 - Lean (logits_budget=0, nothing needing a gradient, and the fallbacks above): the forward folds
   fp32 logit chunks into the statistics; the backward recomputes them and adds dE and dC chunk by
   chunk. Four logit-sized GEMMs, memory within about 100 MB of dE + dC.
@@ -298,12 +299,12 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
     nt = token_block(n, max(v, cfg.block_vocab), cfg.logits_budget, buf_dtype.itemsize)
     lse = torch.empty(n, **f32)
     zt = (torch.zeros if fused else torch.empty)(n, **f32)  # the fused GEMM writes targets it holds
-    first = None
+    first_stats = None
     if fused and n > 0:
         buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
         k = min(n, nt)
-        first = kernels.logits_probs(e[:k], c, bias, targets[:k], start, buf[:k, :v], zt[:k], softcap=cfg.softcap,
-                                     need_zsum=uniform, config=cfg.kernel)
+        first_stats = kernels.logits_probs(e[:k], c, bias, targets[:k], start, buf[:k, :v], zt[:k],
+                                           softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel)
     prepared = prepare()
     raw, targets = targets, prepared[0]
     g_rows = torch.mul(prepared[1], prepared[3])
@@ -355,10 +356,10 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
                     slots = _TargetRows(targets, v, d)
                 slots.fold(dc, back=False)  # the target rows' sums so far leave dC
             if t0 == 0:
-                ref, s, zs = first
+                ref, s, zs = first_stats
             else:
-                ref, s, zs = kernels.logits_probs(e_b, c, bias, raw[rows], start, x, zt[rows], softcap=cfg.softcap,
-                                                  need_zsum=uniform, config=cfg.kernel)
+                ref, s, zs = kernels.logits_probs(e_b, c, bias, raw[rows], start, x, zt[rows],
+                                                  softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel)
             m = ref
             if comm.world > 1:  # the ranks' statistics: one MAX and one SUM all-reduce
                 m, s, zt[rows], zs = _combine(ref, s, zt[rows], zs, comm)
