@@ -53,6 +53,18 @@ def test_uniform_upstream_over_kept_tokens_only_scales(budget, device, lean_call
     assert lean_calls == []
 
 
+@pytest.mark.parametrize("budget", ["auto", 3 * 4 * V])
+def test_ignore_index_may_be_a_token_of_the_vocabulary(budget, device):
+    """ignore_index may be a real token id (a pad token). The fused GEMM takes the caller's targets
+    before the targets' pass and so picks that token's logit in ignored rows too; it must reach
+    neither the loss nor the gradients. int32 targets, as a data loader may hand them over."""
+    x = inputs(device, ignore_index=3)
+    x["targets"][::4] = 3
+    x["targets"] = x["targets"].int()
+    options = {"impl": IMPL, "reduction": "mean", "logits_budget": budget, "ignore_index": 3}
+    check_against_oracle(linear_cross_entropy, x, options, TIGHT, label="ignore_index=3")
+
+
 def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monkeypatch):
     """(loss * mask).sum() / mask.sum() with the mask folded into ignore_index: the upstream gradient
     is exactly the forward's 1 / kept, so dC and dbias are handed out as the forward made them (no
