@@ -1,12 +1,15 @@
 """The target rows' terms of the one-pass gradients, each in one pass over the rows it touches.
 
-add_rows_summed: out[index[i]] += coef[i] * e[i] for an out in a narrower dtype than the sum (bf16
-dC). The rows that share an index are summed in fp32 first, so each row of out is rounded once
-more, not once per row added: a frequent target token is thousands of rows. A program per
-(position in index order, column block); the one at the start of a run of equal indices walks the
-run, the others return. The order of every sum is fixed: deterministic. Traffic: e once and the
-touched rows of out, where PyTorch's index_put_ over fp32 [k, D] temporaries moved about 25 times
-e's bytes (0.45 ms of Phi 3.5 mini's 9 ms loss on an H100).
+add_rows_summed: out[index[i]] += coef[i] * e[i]. The rows that share an index are summed in fp32
+first, so each row of a narrower out (bf16 dC) is rounded once more, not once per row added: a
+frequent target token is thousands of rows. A program per (position in index order, column block);
+the one at the start of a run of equal indices walks the run, the others return. Indices outside
+out's rows (a target another rank holds, an ignored token) are skipped, never walked: a run is
+walked at about 5.5 us per 16 rows on an H100, and on a tensor-parallel rank that holds few of the
+targets the others made one run of most of the tokens (2.6 ms of a 26 ms call on 2x H100). The order
+of every sum is fixed: deterministic. Traffic: e once and the touched rows of out, where PyTorch's
+index_put_ over fp32 [k, D] temporaries moved about 25 times e's bytes (0.45 ms of Phi 3.5 mini's
+9 ms loss on an H100).
 
 fold_rows: over several token blocks, the batch's target rows of a bf16 dC are summed in fp32
 outside it (see ops/autograd.py, one_pass).
@@ -27,6 +30,7 @@ def _add_rows_summed_kernel(
     Sorted_ptr,  # [k] int32 index, sorted
     Order_ptr,  # [k] int64 the row of e at each sorted position (a stable sort)
     k,
+    V,  # rows of out: other indices are skipped
     D,
     stride_o,
     stride_e,
@@ -36,7 +40,8 @@ def _add_rows_summed_kernel(
     pos = tl.program_id(0).to(tl.int64)
     col = tl.load(Sorted_ptr + pos).to(tl.int64)  # offsets past 2^31: V x D may be
     prev = tl.load(Sorted_ptr + tl.maximum(pos - 1, 0))
-    if (pos == 0) | (prev != col):  # this position starts its run of equal indices
+    # This position starts its run of equal indices, and the run is one of out's rows.
+    if ((pos == 0) | (prev != col)) & (col >= 0) & (col < V):
         offs_d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -60,9 +65,10 @@ def _add_rows_summed_kernel(
 
 
 def add_rows_summed(out: torch.Tensor, index: torch.Tensor, e: torch.Tensor, coef: torch.Tensor) -> None:
-    """out[index[i]] += coef[i] * e[i] (index in [0, out.shape[0])), the rows that share an index summed
-    in fp32 and added to out with one rounding. out and e: unit column stride, e.shape[1] columns;
-    coef fp32 [k]. No host sync."""
+    """out[index[i]] += coef[i] * e[i] for every index[i] in [0, out.shape[0]) (the others are
+    skipped), the rows that share an index summed in fp32 and added to out with one rounding. out
+    and e: unit column stride, e.shape[1] columns; coef fp32 [k]; index any integer dtype, within
+    int32. No host sync."""
     k = index.numel()
     if e.shape != (k, out.shape[1]) or coef.shape != (k,) or coef.dtype != torch.float32:
         raise ValueError(f"e must be [{k}, {out.shape[1]}] and coef fp32 [{k}]")
@@ -70,13 +76,13 @@ def add_rows_summed(out: torch.Tensor, index: torch.Tensor, e: torch.Tensor, coe
         raise ValueError("out and e must have unit column stride")
     if k == 0 or out.shape[1] == 0:
         return
-    # int32 keys: half the radix passes of int64 (index < V < 2^31).
+    # int32 keys: half the radix passes of int64 (V < 2^31; skipped indices such as -1 stay outside).
     ordered, order = torch.sort(index.to(torch.int32), stable=True)
     # Wide column blocks: most programs find no run to start and return at once.
     block_d = 1024 if out.is_cuda else 32
     grid = (k, triton.cdiv(out.shape[1], block_d))
     _add_rows_summed_kernel[grid](
-        out, e, coef, ordered, order, k, out.shape[1], out.stride(0), e.stride(0),
+        out, e, coef, ordered, order, k, out.shape[0], out.shape[1], out.stride(0), e.stride(0),
         ROWS=16 if out.is_cuda else 4, BLOCK_D=block_d, num_warps=8,
     )
 

@@ -388,7 +388,7 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
         # The target term, each target row's sum in fp32, rounded into dC once (with the row's
         # block parts over several blocks).
         if slots is None:
-            kernels.add_rows_summed(dc, targets.clamp(0, v - 1), e, b_all.neg_())
+            kernels.add_rows_summed(dc, targets, e, b_all.neg_())  # targets of -1 are skipped
         else:
             kernels.add_rows_summed(slots.acc, slots.slot, e, b_all.neg_())
             slots.fold(dc, back=True)
@@ -404,9 +404,9 @@ def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b,
     given [k] buffers): the gradient is w W - B' [target] - U. Where the target is unlikely (p <
     1/2) its term stays out of W: rounded into W's target entry it would lose 2^-9 of what is, for
     an untrained model, most of each row's gradient. It is added in fp32 from the target rows of C
-    and E instead (index_put_ with accumulate is deterministic), into dC here where dc_target (an
-    fp32 dC), else by the caller (one_pass) from b: B' per token (0 where the target is not in
-    this shard or went into W)."""
+    and E instead (kernels.scale_sub_rows into dE; kernels.add_rows_summed into dC, deterministic),
+    into dC here where dc_target (an fp32 dC), else by the caller (one_pass) from b: B' per token
+    (0 where the target is not in this shard or went into W)."""
     from cce_parallel import kernels
 
     v = c.shape[0]
@@ -418,12 +418,10 @@ def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b,
     kernels.grad_rows(w_mat, ref, m, s, zt, g_rows, targets, lse, w, b, e if we is not None else None, we,
                       softcap=cfg.softcap, z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing)
     u = g_rows * (cfg.label_smoothing / cfg.vocab_size) if cfg.label_smoothing > 0 else None
-    cols = targets.clamp(0, v - 1) if dc_target or db is not None else None
     if dc is not None:
         _mm_into(dc, w_mat.t(), we, accumulate=not first)
-        if dc_target:  # fp32 products, which fill dE's rows exactly
-            target_rows = torch.empty(e.shape, dtype=torch.float32, device=e.device) if de_rows is None else de_rows
-            dc.index_put_((cols,), torch.mul(e, -b[:, None], out=target_rows), accumulate=True)
+        if dc_target:  # targets of -1 (another shard's, ignored) are skipped
+            kernels.add_rows_summed(dc, targets, e, b.neg())
         if u is not None:
             u_rows.add_(u @ e.float())
     if de_rows is not None:
@@ -433,7 +431,7 @@ def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b,
             de_rows.addr_(u, csum, alpha=-1.0)
     if db is not None:
         db.add_(torch.mm(w_mat.t(), w.to(w_mat.dtype)[:, None], **_fp32_out(w_mat)).squeeze(1))
-        db.index_put_((cols,), -b, accumulate=True)
+        db.index_put_((targets.clamp(0, v - 1),), -b, accumulate=True)
         if u is not None:
             db.sub_(u.sum())
 
@@ -441,9 +439,8 @@ def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b,
 class _TargetRows:
     """The distinct targets in [0, v) of a call's tokens, numbered in increasing order without a
     host sync (sorting and prefix sums on the device), and an fp32 row for each: rows [n] int64
-    (number -> row of c, -1 past the last), slot [n] int64 (each token's number; for a token
-    whose target is not in [0, v), a neighbour's, which its zero weight leaves alone), acc fp32
-    [min(n, v), D]."""
+    (number -> row of c, -1 past the last), slot [n] int64 (each token's number, -1 for a token
+    whose target is not in [0, v): kernels.add_rows_summed skips it), acc fp32 [min(n, v), D]."""
 
     def __init__(self, targets, v: int, d: int):
         n = targets.numel()
@@ -453,7 +450,7 @@ class _TargetRows:
         first[1:] = ordered[1:] != ordered[:-1]
         first &= ordered < v
         numbers = (torch.cumsum(first, 0) - 1).clamp_min_(0)
-        self.slot = torch.empty_like(numbers).scatter_(0, order, numbers)
+        self.slot = torch.empty_like(numbers).scatter_(0, order, torch.where(ordered < v, numbers, -1))
         rows = torch.full((n + 1,), -1, device=targets.device, dtype=torch.int64)
         rows.scatter_(0, torch.where(first, numbers, n), ordered)  # the others land on rows[n]
         s = min(n, v)

@@ -402,8 +402,10 @@ def _torch_logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zs
 
 
 def _torch_add_rows_summed(out, index, e, coef):
-    """A PyTorch stand-in for kernels.add_rows_summed (bf16 out)."""
-    out.copy_(out.double().index_add(0, index, e.double() * coef.double()[:, None]).to(out.dtype))
+    """A PyTorch stand-in for kernels.add_rows_summed (bf16 out; indices outside out's rows skipped)."""
+    inside = (index >= 0) & (index < out.shape[0])
+    rows = e.double()[inside] * coef.double()[inside][:, None]
+    out.copy_(out.double().index_add(0, index[inside], rows).to(out.dtype))
 
 
 def _torch_fold_rows(out, acc, rows, *, back):
@@ -522,8 +524,8 @@ def test_confident_targets_are_no_worse_than_plain_pytorch(blocks, device, monke
 
 def test_target_rows_are_numbered_without_a_sync(device):
     """_TargetRows: the distinct targets in [0, v) numbered in increasing order, each token's number,
-    and -1 past the last; targets outside [0, v) (ignored, or in another shard) get no number of
-    their own."""
+    and -1 past the last; targets outside [0, v) (ignored, or in another shard) get -1, which
+    kernels.add_rows_summed skips."""
     t = torch.tensor([5, -1, 3, 5, 9, 12, 3, 0, -100, 5], device=device)
     got = autograd._TargetRows(t, 10, 4)
     distinct = [0, 3, 5, 9]
@@ -532,7 +534,7 @@ def test_target_rows_are_numbered_without_a_sync(device):
         if 0 <= x < 10:
             assert got.slot[i].item() == distinct.index(x)
         else:
-            assert 0 <= got.slot[i].item() < len(distinct)
+            assert got.slot[i].item() == -1
     assert got.acc.shape == (10, 4) and not got.acc.any()
     assert autograd._TargetRows(t, 3, 4).rows.tolist() == [0, -1, -1]  # min(n, v) rows
 
@@ -571,7 +573,8 @@ def test_fold_rows(dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_summed_into_a_narrow_tensor(dtype, device):
     """kernels.add_rows_summed: rows that share an index summed in fp32, each row of out rounded
-    once more (runs longer than a chunk of the kernel, and rows of out left alone)."""
+    once more (runs longer than a chunk of the kernel, and rows of out left alone); indices outside
+    out's rows (-1 for another shard's target, an ignored token) add nothing, in runs too."""
     from cce_parallel import kernels
 
     if device.type == "cpu" and dtype != torch.float32:
@@ -581,14 +584,17 @@ def test_rows_summed_into_a_narrow_tensor(dtype, device):
     index = torch.randint(0, 50, (400,), generator=g)
     index[:300] = 3
     index[300:310] = 49
+    index[310:350] = -1
+    index[350:352] = torch.tensor([50, -100])
     e = torch.randn(400, 40, generator=g).to(dtype)
     coef = torch.randn(400, generator=g) * 1e-2
-    want = out.double().index_add(0, index, e.double() * coef.double()[:, None])
+    inside = (index >= 0) & (index < 50)
+    want = out.double().index_add(0, index[inside], e.double()[inside] * coef.double()[inside][:, None])
     got = out.to(device)
     kernels.add_rows_summed(got, index.to(device), e.to(device), coef.to(device))
     assert torch.equal(got.cpu(), want.to(dtype)) or rel_err(got.cpu().double(), want) < 1e-6
     untouched = torch.ones(50, dtype=torch.bool)
-    untouched[index] = False
+    untouched[index[inside]] = False
     assert torch.equal(got.cpu()[untouched], out[untouched])
 
 
