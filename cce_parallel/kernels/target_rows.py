@@ -2,14 +2,15 @@
 
 add_rows_summed: out[index[i]] += coef[i] * e[i]. The rows that share an index are summed in fp32
 first, so each row of a narrower out (bf16 dC) is rounded once more, not once per row added: a
-frequent target token is thousands of rows. A program per (position in index order, column block);
-the one at the start of a run of equal indices walks the run, the others return. Indices outside
-out's rows (a target another rank holds, an ignored token) are skipped, never walked: a run is
-walked at about 5.5 us per 16 rows on an H100, and on a tensor-parallel rank that holds few of the
-targets the others made one run of most of the tokens (2.6 ms of a 26 ms call on 2x H100). The order
-of every sum is fixed: deterministic. Traffic: e once and the touched rows of out, where PyTorch's
-index_put_ over fp32 [k, D] temporaries moved about 25 times e's bytes (0.45 ms of Phi 3.5 mini's
-9 ms loss on an H100).
+frequent target token is thousands of rows. Indices outside out's rows (a target another rank
+holds, an ignored token) are skipped. Two launches over fixed chunks of the sorted indices: the
+first sums each run's rows within a chunk (a 0/1 matrix times the chunk's rows) and adds the runs
+that lie within one chunk to out; the second adds up, chunk by chunk, the runs that cross chunk
+edges. The order of every sum is fixed: deterministic. The kernel before walked each run from
+its start, ~5.5 us per 16 rows on an H100: 0.43 ms for 8,192 targets drawn Zipf-like from Phi 3.5
+mini's vocabulary, 2.5 ms on a tensor-parallel rank whose tokens' targets were mostly another
+rank's (clamped to one row, until 2b7d46a); now 0.15 and 0.14 ms, with the sort
+(benchmarks/results/h100_20261125_target_rows.md).
 
 fold_rows: over several token blocks, the batch's target rows of a bf16 dC are summed in fp32
 outside it (see ops/autograd.py, one_pass).
@@ -23,43 +24,87 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rows_summed_kernel(
+def _rows_chunk_kernel(
     Out_ptr,  # [V, D] rows to add into (any float dtype), row stride stride_o
     E_ptr,  # [k, D] rows to add, row stride stride_e
     Coef_ptr,  # [k] fp32 factor of each row of e
     Sorted_ptr,  # [k] int32 index, sorted
     Order_ptr,  # [k] int64 the row of e at each sorted position (a stable sort)
+    P_ptr,  # [chunks, 2, D] fp32 out: the chunk's sums of the runs that cross its edges
     k,
     V,  # rows of out: other indices are skipped
     D,
     stride_o,
     stride_e,
-    ROWS: tl.constexpr,
+    CH: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pos = tl.program_id(0).to(tl.int64)
-    col = tl.load(Sorted_ptr + pos).to(tl.int64)  # offsets past 2^31: V x D may be
-    prev = tl.load(Sorted_ptr + tl.maximum(pos - 1, 0))
-    # This position starts its run of equal indices, and the run is one of out's rows.
-    if ((pos == 0) | (prev != col)) & (col >= 0) & (col < V):
+    # One chunk of CH sorted positions, one block of columns: each run's sum within the chunk.
+    c = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    pos = c * CH + tl.arange(0, CH)
+    inside = pos < k
+    idx = tl.load(Sorted_ptr + pos, mask=inside, other=-2)
+    valid = inside & (idx >= 0) & (idx < V)
+    rows = tl.load(Order_ptr + pos, mask=valid, other=0)
+    coef = tl.load(Coef_ptr + rows, mask=valid, other=0.0)
+    x = tl.load(E_ptr + rows[:, None] * stride_e + offs_d[None, :], mask=valid[:, None] & mask_d[None, :],
+                other=0.0).to(tl.float32) * coef[:, None]
+    # Sorted, so a run is a contiguous segment: y[i] = the sum of the rows of i's run in this chunk
+    # (0 / 1 weights: exact products, fp32 sums in the dot's fixed order).
+    same = (idx[:, None] == idx[None, :]).to(tl.float32)
+    y = tl.dot(same, x, input_precision="ieee")
+    prev = tl.load(Sorted_ptr + pos - 1, mask=inside & (pos > 0), other=-3)
+    first = valid & ((pos == c * CH) | (prev != idx))  # the first position of its segment here
+    last_idx = tl.load(Sorted_ptr + tl.minimum(c * CH + CH, k) - 1)
+    after = tl.load(Sorted_ptr + c * CH + CH, mask=c * CH + CH < k, other=-3)
+    before = tl.load(Sorted_ptr + c * CH - 1, mask=c > 0, other=-3)
+    started = (pos == c * CH) & (before == idx)  # the run began in an earlier chunk
+    goes_on = (idx == last_idx) & (after == idx)  # the run goes on into the next chunk
+    # A run that began earlier leaves its part here in slot 0; one that begins here and goes on, in
+    # slot 1 (_rows_span_kernel sums those); a run that lies within the chunk goes into out.
+    slot = tl.where(started, 0, 1)
+    keep = first & (started | goes_on)
+    tl.store(P_ptr + (c * 2 + slot)[:, None] * D + offs_d[None, :], y, mask=keep[:, None] & mask_d[None, :])
+    whole = first & ~started & ~goes_on
+    ptrs = Out_ptr + idx.to(tl.int64)[:, None] * stride_o + offs_d[None, :]
+    m = whole[:, None] & mask_d[None, :]
+    out = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+    tl.store(ptrs, (out + y).to(Out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rows_span_kernel(
+    Out_ptr,  # [V, D], row stride stride_o
+    Sorted_ptr,  # [k] int32 index, sorted
+    P_ptr,  # [chunks, 2, D] fp32 from _rows_chunk_kernel
+    k,
+    V,
+    D,
+    stride_o,
+    CH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # The run that begins in chunk c and goes on past it (at most one): its parts, chunk by chunk.
+    c = tl.program_id(0).to(tl.int64)
+    end = tl.minimum(c * CH + CH, k)
+    v = tl.load(Sorted_ptr + end - 1)
+    after = tl.load(Sorted_ptr + end, mask=end < k, other=-3)
+    head = tl.load(Sorted_ptr + c * CH)
+    before = tl.load(Sorted_ptr + c * CH - 1, mask=c > 0, other=-3)
+    if (after == v) & ~((head == v) & (before == v)) & (v >= 0) & (v < V):
         offs_d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        start = pos
-        more = pos >= 0
+        acc = tl.load(P_ptr + (c * 2 + 1) * D + offs_d, mask=mask_d, other=0.0)
+        nxt = c + 1
+        more = nxt >= 0
         while more:
-            at = start + tl.arange(0, ROWS)
-            idx = tl.load(Sorted_ptr + at, mask=at < k, other=-1)
-            run = idx == col
-            rows = tl.load(Order_ptr + at, mask=run, other=0)
-            coef = tl.load(Coef_ptr + rows, mask=run, other=0.0)
-            x = tl.load(E_ptr + rows[:, None] * stride_e + offs_d[None, :],
-                        mask=run[:, None] & mask_d[None, :], other=0.0)
-            acc += tl.sum(x.to(tl.float32) * coef[:, None], axis=0)
-            # The run goes on past this chunk only if its last position still holds col.
-            more = tl.sum(run.to(tl.int32), axis=0) == ROWS
-            start += ROWS
-        ptrs = Out_ptr + col * stride_o + offs_d
+            acc += tl.load(P_ptr + (nxt * 2) * D + offs_d, mask=mask_d, other=0.0)
+            stop = nxt * CH + CH
+            more = (stop < k) & (tl.load(Sorted_ptr + stop, mask=stop < k, other=-3) == v)
+            nxt += 1
+        ptrs = Out_ptr + v.to(tl.int64) * stride_o + offs_d
         out = tl.load(ptrs, mask=mask_d, other=0.0).to(tl.float32)
         tl.store(ptrs, (out + acc).to(Out_ptr.dtype.element_ty), mask=mask_d)
 
@@ -68,22 +113,29 @@ def add_rows_summed(out: torch.Tensor, index: torch.Tensor, e: torch.Tensor, coe
     """out[index[i]] += coef[i] * e[i] for every index[i] in [0, out.shape[0]) (the others are
     skipped), the rows that share an index summed in fp32 and added to out with one rounding. out
     and e: unit column stride, e.shape[1] columns; coef fp32 [k]; index any integer dtype, within
-    int32. No host sync."""
+    int32. Deterministic; no host sync."""
     k = index.numel()
     if e.shape != (k, out.shape[1]) or coef.shape != (k,) or coef.dtype != torch.float32:
         raise ValueError(f"e must be [{k}, {out.shape[1]}] and coef fp32 [{k}]")
     if out.stride(1) != 1 or e.stride(1) != 1:
         raise ValueError("out and e must have unit column stride")
-    if k == 0 or out.shape[1] == 0:
+    d = out.shape[1]
+    if k == 0 or d == 0:
         return
     # int32 keys: half the radix passes of int64 (V < 2^31; skipped indices such as -1 stay outside).
     ordered, order = torch.sort(index.to(torch.int32), stable=True)
-    # Wide column blocks: most programs find no run to start and return at once.
-    block_d = 1024 if out.is_cuda else 32
-    grid = (k, triton.cdiv(out.shape[1], block_d))
-    _add_rows_summed_kernel[grid](
-        out, e, coef, ordered, order, k, out.shape[0], out.shape[1], out.stride(0), e.stride(0),
-        ROWS=16 if out.is_cuda else 4, BLOCK_D=block_d, num_warps=8,
+    # Chunks of 16 positions, 256 columns: on an H100 the fastest of 16-128 positions, 128-256 columns
+    # and an fp32 or 3xTF32 dot (benchmarks/results/h100_20261125_tp_target_runs.md).
+    ch, block_d, warps = (16, 256, 4) if out.is_cuda else (16, 32, 1)
+    chunks = triton.cdiv(k, ch)
+    parts = torch.empty((chunks, 2, d), device=out.device, dtype=torch.float32)
+    grid = (chunks, triton.cdiv(d, block_d))
+    _rows_chunk_kernel[grid](
+        out, e, coef, ordered, order, parts, k, out.shape[0], d, out.stride(0), e.stride(0), CH=ch,
+        BLOCK_D=block_d, num_warps=warps,
+    )
+    _rows_span_kernel[grid](
+        out, ordered, parts, k, out.shape[0], d, out.stride(0), CH=ch, BLOCK_D=block_d, num_warps=warps,
     )
 
 

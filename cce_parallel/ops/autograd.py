@@ -379,7 +379,7 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
             zsum[rows] = zs
         _two_pass_products(x, e_b, c, bias, t_b, g_rows[rows], scale, cfg, lse[rows],
                            de[rows] if de is not None else None, dc, db, first=t0 == 0)
-    del buf
+    del buf, x  # x, the last block's view, would keep the buffer alive past here
     if e.dtype == torch.float16 and not fused:
         for t in (de, dc, db):  # the products' power-of-two scale, divided out once (exact)
             if t is not None:

@@ -590,12 +590,51 @@ def test_rows_summed_into_a_narrow_tensor(dtype, device):
     coef = torch.randn(400, generator=g) * 1e-2
     inside = (index >= 0) & (index < 50)
     want = out.double().index_add(0, index[inside], e.double()[inside] * coef.double()[inside][:, None])
-    got = out.to(device)
+    got = out.clone().to(device)  # a copy on CPU too: out must stay as it was
     kernels.add_rows_summed(got, index.to(device), e.to(device), coef.to(device))
     assert torch.equal(got.cpu(), want.to(dtype)) or rel_err(got.cpu().double(), want) < 1e-6
     untouched = torch.ones(50, dtype=torch.bool)
     untouched[index[inside]] = False
     assert torch.equal(got.cpu()[untouched], out[untouched])
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [16, 16, 16],  # runs that fill chunks exactly (the interpreter's chunk is 16 positions)
+        [15, 1, 17, 31, 33, 1, 64],  # runs that end just before, at and past chunk edges
+        [200],  # one index for every row: a run through many chunks
+        [1] * 37,  # every index distinct
+        [5, 40, 3, 90, 2],
+    ],
+)
+def test_rows_summed_runs_across_chunks(lengths, device):
+    """kernels.add_rows_summed sums each run over the chunks it spans, wherever the chunk edges
+    fall, with indices to skip among them (-1 sorts first, out.shape[0] and more last); the same
+    inputs give the same bits twice."""
+    from cce_parallel import kernels
+
+    g = torch.Generator().manual_seed(len(lengths) * 7 + lengths[0])
+    v, d = 300, 40
+    values = torch.randperm(v, generator=g)[: len(lengths)]
+    index = torch.cat([torch.full((n,), int(x)) for n, x in zip(lengths, values)] + [torch.tensor([-1, -1, v, v + 5])])
+    index = index[torch.randperm(index.numel(), generator=g)]  # the kernel sorts them
+    k = index.numel()
+    e = torch.randn(k, d, generator=g)
+    coef = torch.randn(k, generator=g)
+    out = torch.randn(v, d, generator=g)
+    inside = (index >= 0) & (index < v)
+    want = out.double().index_add(0, index[inside], e.double()[inside] * coef.double()[inside][:, None])
+    runs = []
+    for _ in range(2):
+        got = out.clone().to(device)  # a copy on CPU too: out must stay as it was
+        kernels.add_rows_summed(got, index.to(device), e.to(device), coef.to(device))
+        runs.append(got.cpu())
+    assert torch.equal(runs[0], runs[1])
+    assert rel_err(runs[0].double(), want) < 1e-6
+    untouched = torch.ones(v, dtype=torch.bool)
+    untouched[index[inside]] = False
+    assert torch.equal(runs[0][untouched], out[untouched])
 
 
 @pytest.mark.parametrize("per_kept", [True, False])
