@@ -8,9 +8,9 @@ first sums each run's rows within a chunk (a 0/1 matrix times the chunk's rows) 
 that lie within one chunk to out; the second adds up, chunk by chunk, the runs that cross chunk
 edges. The order of every sum is fixed: deterministic. The kernel before walked each run from
 its start, ~5.5 us per 16 rows on an H100: 0.43 ms for 8,192 targets drawn Zipf-like from Phi 3.5
-mini's vocabulary, 2.5 ms on a tensor-parallel rank whose tokens' targets were mostly another
-rank's (clamped to one row, until 2b7d46a); now 0.15 and 0.14 ms, with the sort
-(benchmarks/results/h100_20261125_target_rows.md).
+mini's vocabulary (now 0.15 ms), 2.5 ms on a Llama 3 8B tensor-parallel rank whose tokens' targets
+were mostly another rank's, clamped to one row until 2b7d46a (now 0.14 ms); times with the sort,
+benchmarks/results/h100_20261125_target_rows.md.
 
 fold_rows: over several token blocks, the batch's target rows of a bf16 dC are summed in fp32
 outside it (see ops/autograd.py, one_pass).
