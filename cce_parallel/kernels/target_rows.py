@@ -125,7 +125,7 @@ def add_rows_summed(out: torch.Tensor, index: torch.Tensor, e: torch.Tensor, coe
     # int32 keys: half the radix passes of int64 (V < 2^31; skipped indices such as -1 stay outside).
     ordered, order = torch.sort(index.to(torch.int32), stable=True)
     # Chunks of 16 positions, 256 columns: on an H100 the fastest of 16-128 positions, 128-256 columns
-    # and an fp32 or 3xTF32 dot (benchmarks/results/h100_20261125_tp_target_runs.md).
+    # and an fp32 or 3xTF32 dot (benchmarks/results/h100_20261125_target_rows.md).
     ch, block_d, warps = (16, 256, 4) if out.is_cuda else (16, 32, 1)
     chunks = triton.cdiv(k, ch)
     parts = torch.empty((chunks, 2, d), device=out.device, dtype=torch.float32)
