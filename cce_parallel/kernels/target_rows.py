@@ -1,4 +1,4 @@
-"""The target rows' terms of the one-pass gradients: kernels that touch only the rows they add to.
+"""The target rows' terms of the one-pass gradients: the rows of dC and dE at the batch's targets.
 
 add_rows_summed: out[index[i]] += coef[i] * e[i]. The rows that share an index are summed in fp32
 first, so each row of a narrower out (bf16 dC) is rounded once more, not once per row added: a
