@@ -52,6 +52,7 @@ def _fresh_per_token_state(monkeypatch):
     from cce_parallel.ops import autograd
 
     monkeypatch.setattr(autograd, "per_token_weights_seen", False)
+    monkeypatch.setattr(autograd, "_weight_flags", [])
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from cce_parallel.kernels.from_logits import (
 from cce_parallel.kernels.probs_gemm import grad_rows, logits_probs
 from cce_parallel.kernels.scaled import scale_, scaled_copy
 from cce_parallel.kernels.target_rows import add_rows_summed, fold_rows, scale_sub_rows
+from cce_parallel.kernels.weighted_dc import weighted_dc
 
 __all__ = [
     "KernelConfig",
@@ -27,4 +28,5 @@ __all__ = [
     "scaled_copy",
     "stats_from_logits",
     "stats_slices",
+    "weighted_dc",
 ]

@@ -20,10 +20,11 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   dE_b = G C and dC += G^T E_b. That is three logit-sized GEMMs in all, the fewest an exact method
   needs. The backward only scales these by the upstream gradient g / grad_scale, which is exact
   when g is one number over the kept tokens (reduction mean or sum, or Megatron's loss_mask /
-  count with the mask folded into ignore_index, where the ratio is 1 and nothing moves). A
-  per-token g costs one host sync to learn that; dE, linear in g per token, scales per row before
-  it. Otherwise the result stays exact by recomputing dC and dbias; a gradient through the
-  returned lse recomputes all.
+  count with the mask folded into ignore_index, where the ratio is 1 and nothing moves). dE,
+  linear in g per token, scales per row whatever g is. Whether a per-token g is one number over
+  the kept tokens is decided on the device, without a host sync: otherwise kernels.weighted_dc
+  recomputes dC and dbias (exact), and once the host learns of it (a call later, on a GPU) later
+  per-token calls take the lean path. A gradient through the returned lse recomputes all.
 - Lean (logits_budget=0, nothing needing a gradient, and the fallbacks above): the forward folds
   fp32 logit chunks into the statistics; the backward recomputes them and adds dE and dC chunk by
   chunk. Four logit-sized GEMMs, memory within about 100 MB of dE + dC.
@@ -616,9 +617,11 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
 # ----------------------------------------------------------------------------------------------
 # the Function
 
-# Set once a per-token loss's backward got per-token weights: from then on, reduction "none" takes
-# the lean path (ops/functional.py), which computes them with no wasted work. Training loops call
-# the loss the same way every step, so only the first step pays for the recompute.
+# Set once the host learns that a per-token loss's backward got per-token weights: from then on,
+# reduction "none" takes the lean path (ops/functional.py), which computes them with no wasted work.
+# Training loops call the loss the same way every step, so only the first call pays for
+# kernels.weighted_dc (and on a GPU the second, already on the one-pass path when the host learns
+# it, for a recompute of dC with library GEMMs: see _watch_weights).
 per_token_weights_seen = False
 
 
@@ -627,40 +630,68 @@ def _warn_fallback():
     if not per_token_weights_seen:
         per_token_weights_seen = True
         warnings.warn(
-            "cce_parallel: the per-token loss's upstream gradient is not one number over the kept tokens, so "
-            "the gradients computed in the forward cannot just be scaled; dC is recomputed (exact, slower). "
+            "cce_parallel: a per-token loss's upstream gradient was not one number over the kept tokens, so "
+            "the gradients computed in the forward could not just be scaled; dC was recomputed (exact, slower). "
             "Later calls with reduction='none' in this process take the lean path (logits_budget='lean'). "
             "Fold loss masks into ignore_index (cce_parallel.megatron.mask_labels) to keep the one-pass speed.",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
-def _uniform_over_kept(g: torch.Tensor, keep: torch.Tensor, grad_scale: torch.Tensor):
-    """Whether g is one number s over the kept tokens, and the one-pass gradients' ratio
-    s / grad_scale (0-dim fp32; 0 when nothing is kept) with, on the host, whether it is exactly 1.
-    One host sync: g per token (Megatron's loss_mask / count, or per-token weights) is known only
-    on the device."""
-    if not g.numel():  # no tokens: zero gradients
-        return True, g.new_zeros(()), False
+def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
+    """(ratio, weighted), on the device: whether the per-token weights w differ over the kept tokens
+    (int32 [1], 1 where they do, or where one is NaN), and ratio (0-dim fp32) their one value
+    otherwise (0 when they differ or nothing is kept), by which the one-pass dC and dbias scale.
+    No host sync: that left the GPU idle until the host queued its next work."""
+    if not w.numel():  # no tokens: zero gradients
+        return w.new_zeros(()), torch.zeros(1, device=w.device, dtype=torch.int32)
     inf = float("inf")
-    lo, hi = torch.where(keep, g, inf).amin(), torch.where(keep, g, -inf).amax()
-    ratio = torch.where(lo < inf, lo / grad_scale, 0.0)
-    lo_h, hi_h, ratio_h = torch.stack([lo, hi, ratio]).tolist()
-    return lo_h >= hi_h, ratio, ratio_h == 1.0
+    lo, hi = torch.where(keep, w, inf).amin(), torch.where(keep, w, -inf).amax()
+    weighted = ~(lo >= hi)
+    ratio = torch.where(weighted | (lo == inf), 0.0, lo)
+    return ratio, weighted.to(torch.int32).reshape(1)
 
 
-def _scaled(t, ratio, dtype, one: bool = False):
+# Per-token-weight flags of backwards on a GPU, not yet read on the host: (pinned copy, event).
+_weight_flags: list = []
+
+
+def _watch_weights(weighted: torch.Tensor):
+    """Warn, and send later reduction="none" calls down the lean path, once the host learns that a
+    backward got per-token weights: at once on a CPU; on a GPU when the next loss's forward has
+    waited for its targets' counts anyway (read_weight_flags), which the stream orders after this
+    flag's copy. Every tensor-parallel rank gets the same upstream gradient, so they all switch at
+    the same call."""
+    if weighted.is_cuda:
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(weighted, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        _weight_flags.append((host, event))
+    elif weighted.item():
+        _warn_fallback()
+
+
+def read_weight_flags():
+    """The flags _watch_weights queued (ops/functional.py calls this after TargetCheck's wait)."""
+    while _weight_flags:
+        host, event = _weight_flags.pop(0)
+        event.synchronize()
+        if host.item():
+            _warn_fallback()
+
+
+def _scaled(t, ratio, dtype):
     """t (fp32, or a dC made in c's dtype) * ratio (a 0-dim fp32 tensor) in `dtype`, with no host
-    sync: t itself when it has that dtype and ratio is known on the host to be 1 (`one`); in place
-    when it has that dtype (the kernel moves nothing when ratio is 1 on the device, as it is for a
-    mean or a sum); else one Triton pass into a new tensor (torch.mul into a narrower dtype takes
-    twice as long)."""
+    sync: in place when t has that dtype (the kernel moves nothing when ratio is 1 on the device,
+    as it is for a mean, a sum or Megatron's loss_mask / count); else one Triton pass into a new
+    tensor (torch.mul into a narrower dtype takes twice as long)."""
     if t is None:
         return None
     from cce_parallel import kernels
 
     if t.dtype == dtype:
-        return t if one else kernels.scale_(t, ratio)
+        return kernels.scale_(t, ratio)
     return kernels.scaled_copy(t, ratio, dtype)
 
 
@@ -719,8 +750,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if g_lse is not None and not torch.count_nonzero(g_lse):
             g_lse = None  # lse was returned but nothing used it
         g = g_loss.float() if g_loss is not None else lse.new_zeros(1).expand(n)
-        stored = cfg.one_pass and g_lse is None  # the forward's gradients serve, scaled (or dE only)
-        uniform = False
+        stored = cfg.one_pass and g_lse is None  # the forward's gradients serve, scaled
         if stored:
             # The one-pass gradients may be scaled in place and handed out as they are, so a
             # second backward through this loss (retain_graph) would read them changed: refused.
@@ -730,46 +760,57 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     "supported when the gradients are computed in the forward; use logits_budget='lean' for that"
                 )
             ctx.gave_gradients = True
+            ratio = weighted = None
             if g.numel() and g.stride(0) == 0:
-                # One number expanded (reduction mean or sum): no host sync. Nothing kept gives
-                # zeros, even where "mean" made the upstream gradient infinite.
-                uniform, one = True, False
+                # One number expanded (reduction mean or sum). Nothing kept gives zeros, even where
+                # "mean" made the upstream gradient infinite.
                 ratio = torch.where(counts[0] > 0, g[0] / grad_scale, 0.0)
                 de = _scaled(de1, ratio, e_dtype)
             else:
-                # Per token: dE is linear in each token's weight, so its rows scale exactly
-                # whatever the weights are. Queued first, that keeps the GPU busy while the host
-                # learns whether dC and dbias may just be scaled too (ignored tokens count as 0).
+                # Per token: dE is linear in each token's weight, so its rows scale exactly whatever
+                # the weights are.
+                w = torch.where(keep, g, 0.0) / grad_scale
                 de = None
                 if de1 is not None:
-                    w = torch.where(keep, g, 0.0) / grad_scale
-                    if sp:
-                        w = w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
-                    de = kernels.scaled_copy(de1, w, e_dtype)
-                uniform, ratio, one = _uniform_over_kept(g, keep, grad_scale)
-            if uniform:
-                # dC and dbias times one number: nothing to do when it is 1 (Megatron's loss_mask
-                # / count over this call's tokens).
-                db = _scaled(db1, ratio, bias.dtype, one) if db1 is not None else None
-                if dc1 is not None and ctx.c_main_grad is not None:
-                    buf = ctx.c_main_grad()
-                    buf.add_(dc1) if one else buf.addcmul_(dc1, ratio)
-                dc = _scaled(dc1, ratio, c.dtype, one) if ctx.c_main_grad is None else None
-        if not (stored and uniform):
+                    de = kernels.scaled_copy(de1, w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
+                                             if sp else w, e_dtype)
+                if not per_token_weights_seen:
+                    # dC and dbias scale by the one weight of the kept tokens (1 for Megatron's
+                    # loss_mask / count with the mask folded: nothing moves); where the weights
+                    # differ, kernels.weighted_dc recomputes them instead. Both are queued and the
+                    # device decides (ignored tokens count as 0): no host sync.
+                    ratio, weighted = _weights_over_kept(w, keep)
+            main = ctx.c_main_grad() if dc1 is not None and ctx.c_main_grad is not None else None
+            if ratio is not None:
+                db = _scaled(db1, ratio, bias.dtype) if db1 is not None else None
+                if main is not None:
+                    main.addcmul_(dc1, ratio)
+                dc = _scaled(dc1, ratio, c.dtype) if main is None else None
+            g_k = torch.where(keep, g, 0.0) if ratio is None or weighted is not None else None
+            if weighted is not None:
+                a, b, u = coefficients(g_k, None, lse, cfg)
+                scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
+                kernels.weighted_dc(weighted, e_all, c, bias, targets, lse, a, b, u, scale,
+                                    main if main is not None else dc, db, softcap=cfg.softcap, add_dc=main is not None)
+                _watch_weights(weighted)
+            elif ratio is None:
+                # An earlier call's weights were per token (read_weight_flags): so are these, most
+                # likely. dC and dbias recompute with library GEMMs, exact for any weights.
+                dc = db = None
+                if dc1 is not None or db1 is not None:
+                    _, dc, db = lean_backward(e_all, c, bias, targets, lse, *coefficients(g_k, None, lse, cfg), cfg,
+                                              need_de=False)
+                    db = db.to(bias.dtype) if db1 is not None else None
+                    if main is not None:
+                        main.add_(dc)
+        else:
             # Ignored tokens' upstream gradients may be anything: they count as 0.
             g_k = torch.where(keep, g, 0.0)
             h_k = None if g_lse is None else torch.where(keep, g_lse.float(), 0.0)
             a, b, u = coefficients(g_k, h_k, lse, cfg)
-            if stored:
-                # Per-token weights: dC and dbias recompute (dE is done above).
-                _warn_fallback()
-                dc = db = None
-                if cfg.need_dc or cfg.need_db:
-                    _, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=False)
-            else:
-                de, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=cfg.need_de)
-                if de is not None:
-                    de = _finish_de(de, comm, sp).to(e_dtype)
+            de, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=cfg.need_de)
+            if de is not None:
+                de = _finish_de(de, comm, sp).to(e_dtype)
             if dc is not None and ctx.c_main_grad is not None:
                 ctx.c_main_grad().add_(dc)
                 dc = None

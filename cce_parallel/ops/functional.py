@@ -312,6 +312,7 @@ def sharded_linear_cross_entropy(
         e2.contiguous(), c_k, bias_k, t2, vocab_start, prepare, cfg, comm, sequence_parallel, c_main_grad
     )
     check.raise_if_bad(targets, vocab, ignore_index)
+    autograd.read_weight_flags()  # earlier backwards' per-token-weight flags: arrived by now
     if reduction == "none":
         loss = loss.reshape(out_shape)
     elif reduction == "sum":

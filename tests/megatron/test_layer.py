@@ -94,17 +94,20 @@ def test_loss_and_grads_vs_oracle(impl, opts):
         assert rel_err(layer.bias.grad, ref.dbias) <= tol
 
 
-def _reference_grad(layer, hidden, labels):
+def _reference_grad(layer, hidden, labels, weights=None):
     w = layer.weight.detach().clone().requires_grad_()
     logits = (hidden @ w.t()).float()  # [s, b, V]
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.t().reshape(-1), reduction="sum")
-    loss.backward()
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.t().reshape(-1), reduction="none")
+    (losses.sum() if weights is None else (losses * weights.t().reshape(-1)).sum()).backward()
     return w.grad
 
 
+@pytest.mark.parametrize("impl, weighted", [("torch", False), ("cce_kahan_full_c", False), ("cce_kahan_full_c", True)])
 @pytest.mark.parametrize("main_grad_dtype", [torch.float32, torch.bfloat16])
-def test_main_grad_accumulation(main_grad_dtype):
-    layer = _layer(options=CCEOptions(impl="torch"))
+def test_main_grad_accumulation(main_grad_dtype, impl, weighted):
+    """dW accumulates into main_grad over micro-batches; with per-token weights too (the one-pass
+    path's recompute adds into main_grad on the first call, the lean backward on later ones)."""
+    layer = _layer(options=CCEOptions(impl=impl))
     layer.gradient_accumulation_fusion = True
     w = layer.weight
     w.main_grad = torch.full(w.shape, 0.5, dtype=main_grad_dtype)
@@ -112,9 +115,10 @@ def test_main_grad_accumulation(main_grad_dtype):
     expected = torch.full(w.shape, 0.5)
     for seed in (0, 1):  # two micro-batches accumulate
         hidden, labels = _inputs(seed=seed)
-        expected = expected + _reference_grad(layer, hidden, labels)
+        weights = torch.rand(B, S, generator=torch.Generator().manual_seed(seed)) if weighted else None
+        expected = expected + _reference_grad(layer, hidden, labels, weights)
         loss, _ = layer(hidden, labels=labels)
-        loss.sum().backward()
+        (loss.sum() if weights is None else (loss * weights).sum()).backward()
         assert w.grad_added_to_main_grad
         assert w.grad is not None and w.grad.shape == w.shape and w.grad.dtype == w.dtype  # the dummy
         w.grad = None

@@ -350,26 +350,48 @@ def test_one_pass_tiny_shapes(n, v, d):
     assert rel_err(e1.grad.double(), e64.grad) < 2e-2 and rel_err(c1.grad.double(), c64.grad) < 2e-2
 
 
-@pytest.mark.parametrize("budget", ["auto", "lean"])
-def test_no_host_sync_in_a_training_step(budget):
-    """Forward and backward (reduction "mean", some targets ignored) never make the host wait
+@pytest.mark.parametrize("budget, upstream_kind", [("auto", "mean"), ("lean", "mean"), ("auto", "masked"),
+                                                   ("auto", "weighted")])
+def test_no_host_sync_in_a_training_step(budget, upstream_kind):
+    """Forward and backward (some targets ignored) never make the host wait
     (torch.cuda.set_sync_debug_mode("error") raises on a sync), so the host can queue the next
     work while the GPU runs the loss. The only wait is on an event behind the targets' pass.
+    That holds for a mean, for Megatron's (loss * mask).sum() / mask.sum() with the mask folded,
+    and for per-token weights (whose dC the device recomputes: checked against a lean run).
     A target out of range still raises, naming it."""
+    from cce_parallel.ops import autograd
+
     g = torch.Generator(device="cuda").manual_seed(6)
     e = torch.randn(512, 256, device="cuda", generator=g).bfloat16().requires_grad_()
     c = (torch.randn(3000, 256, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
     t = torch.randint(0, 3000, (512,), device="cuda", generator=g)
     t[::5] = -100
-    linear_cross_entropy(e, c, t, logits_budget=budget).backward()  # compile the kernels first
+    weights = torch.where(t != -100, 1.0, 0.0) / (t != -100).sum()
+    if upstream_kind == "weighted":
+        weights = weights * torch.rand(512, device="cuda", generator=g)
+
+    def loss_of(budget):
+        if upstream_kind == "mean":
+            return linear_cross_entropy(e, c, t, logits_budget=budget)
+        return (linear_cross_entropy(e, c, t, logits_budget=budget, reduction="none") * weights).sum()
+
+    loss_of(budget).backward()  # compile the kernels first
     torch.cuda.synchronize()
+    e.grad = c.grad = None
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = linear_cross_entropy(e, c, t, logits_budget=budget)
+        loss = loss_of(budget)
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss) and e.grad[::5].eq(0).all() and e.grad[1::5].ne(0).any()
+    if upstream_kind == "weighted":
+        # The first call's flag reached the host during the second's forward: later calls go lean.
+        assert autograd.per_token_weights_seen
+        de, dc = e.grad, c.grad
+        e.grad = c.grad = None
+        loss_of("lean").backward()
+        assert rel_err(de.double(), e.grad.double()) < 1e-2 and rel_err(dc.double(), c.grad.double()) < 1e-2
     t[3] = 3000
     with pytest.raises(ValueError, match="found 3000"):
         linear_cross_entropy(e, c, t, logits_budget=budget)

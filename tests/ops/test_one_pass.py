@@ -67,14 +67,16 @@ def test_ignore_index_may_be_a_token_of_the_vocabulary(budget, device):
 
 def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monkeypatch):
     """(loss * mask).sum() / mask.sum() with the mask folded into ignore_index: the upstream gradient
-    is exactly the forward's 1 / kept, so dC and dbias are handed out as the forward made them (no
-    scaling pass), and dE scales per row."""
+    is exactly the forward's 1 / kept, so the device finds ratio 1 (dC and dbias scale by it, which
+    moves nothing) and no per-token weights (the recompute's programs return at once); dE scales per
+    row."""
     from cce_parallel import kernels
 
     x = inputs(device)
-    scaled = []
-    real = kernels.scale_
-    monkeypatch.setattr(kernels, "scale_", lambda t, s: scaled.append(t.shape) or real(t, s))
+    ratios, flags = [], []
+    real_scale, real_weighted = kernels.scale_, kernels.weighted_dc
+    monkeypatch.setattr(kernels, "scale_", lambda t, s: ratios.append(s.item()) or real_scale(t, s))
+    monkeypatch.setattr(kernels, "weighted_dc", lambda flag, *a, **k: flags.append(flag.item()) or real_weighted(flag, *a, **k))
     e, c = x["e"].detach().requires_grad_(), x["c"].detach().requires_grad_()
     mask = (x["targets"] != -100).float()
     loss = (linear_cross_entropy(e, c, x["targets"], impl=IMPL, reduction="none") * mask).sum() / mask.sum()
@@ -83,24 +85,45 @@ def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monk
         loss.backward()
     ref = oracle(e.detach(), c.detach(), x["targets"], reduction="mean")
     assert rel_err(e.grad, ref.de) < 5e-5 and rel_err(c.grad, ref.dc) < 5e-5
-    assert scaled == [] and lean_calls == []
+    assert ratios == [1.0] and flags == [0] and lean_calls == []
+    assert not autograd.per_token_weights_seen
 
 
-def test_per_token_weights_scale_de_and_recompute_dc(device, lean_calls):
+@pytest.mark.parametrize("options", [{"z_loss": 1e-3}, {"label_smoothing": 0.1, "softcap": 3.0}])
+def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls):
+    """Per-token weights: dE scales per row, kernels.weighted_dc recomputes dC and dbias (the lean
+    backward does not run), and the next per-token call takes the lean path."""
     x = inputs(device)
-    options = {"impl": IMPL, "reduction": "none", "z_loss": 1e-3}
+    options = dict(options, impl=IMPL, reduction="none")
     grad_loss, _ = upstream(x["targets"], "none", False)
     with pytest.warns(UserWarning, match="not one number"):
         check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label="weights")
-    assert lean_calls == [False], "dC and dbias are recomputed once, dE is not"
+    assert autograd.per_token_weights_seen and lean_calls == []
     # The next per-token call takes the lean path from the start (its backward computes dE too).
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label="weights, later")
-    assert lean_calls == [False, True]
+    assert lean_calls == [True]
     # reduction "mean" keeps the one-pass path.
     run(linear_cross_entropy, x, dict(options, reduction="mean"))
-    assert lean_calls == [False, True]
+    assert lean_calls == [True]
+
+
+def test_weights_known_before_the_backward_recompute_dc_with_the_lean_backward(device, lean_calls, monkeypatch):
+    """On a GPU the host learns of per-token weights one call late (autograd.read_weight_flags): the
+    call whose forward ran on the one-pass path before that, and whose backward runs after, takes
+    the lean backward for dC and dbias (library GEMMs, exact for any weights) and scales dE."""
+    x = inputs(device)
+    grad_loss, _ = upstream(x["targets"], "none", False)
+    e, c, bias = (x[k].detach().requires_grad_() for k in ("e", "c", "bias"))
+    loss = linear_cross_entropy(e, c, x["targets"], bias=bias, impl=IMPL, reduction="none")
+    monkeypatch.setattr(autograd, "per_token_weights_seen", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss.backward(grad_loss)
+    ref = oracle(x["e"], x["c"], x["targets"], bias=x["bias"], reduction="none", grad_loss=grad_loss)
+    assert rel_err(e.grad, ref.de) < 5e-5 and rel_err(c.grad, ref.dc) < 5e-5 and rel_err(bias.grad, ref.dbias) < 5e-5
+    assert lean_calls == [False]
 
 
 def test_gradient_through_lse_recomputes_everything(device, lean_calls):
@@ -723,3 +746,36 @@ def test_no_tokens(reduction, budget, device):
     assert loss.shape == want.shape and torch.equal(loss.detach().cpu().isnan(), want.isnan())
     loss.backward(torch.ones_like(loss))
     assert e.grad.shape == (0, D) and torch.count_nonzero(c.grad) == 0
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_weighted_dc_moves_nothing_unless_flagged(add, device):
+    """kernels.weighted_dc against float64: flag 0 leaves dC and dbias as they were (bit for bit);
+    flag 1 writes (or, for Megatron's main_grad, adds) dz^T E and dz's column sums, with tokens of
+    zero weight in whole blocks skipped and partial tiles at every edge."""
+    from cce_parallel import kernels
+
+    g = torch.Generator(device=device).manual_seed(3)
+    n, v, d = 45, 37, 40
+    e = torch.randn(n, d, generator=g, device=device)
+    c = torch.randn(v, d, generator=g, device=device) * 0.3
+    targets = torch.randint(-1, v, (n,), generator=g, device=device)
+    a = torch.rand(n, generator=g, device=device)
+    a[:20] = 0.0  # a whole block of 16 tokens, and some, with no weight
+    b = a * 0.9
+    z = (e.double() @ c.double().t())
+    lse = torch.logsumexp(z, dim=1)
+    dz = a.double()[:, None] * torch.exp(z - lse[:, None])
+    here = targets >= 0
+    dz[here.nonzero().squeeze(1), targets[here]] -= b.double()[here]
+    start_dc = torch.randn(v, d, generator=g, device=device)
+    for flag in (0, 1):
+        dc, db = start_dc.clone(), torch.full((v,), 7.0, device=device)
+        kernels.weighted_dc(torch.tensor([flag], device=device, dtype=torch.int32), e, c, None, targets,
+                            lse.float(), a, b, None, torch.ones(1, device=device), dc, db, softcap=None, add_dc=add)
+        if not flag:
+            assert torch.equal(dc, start_dc) and torch.equal(db, torch.full_like(db, 7.0))
+            continue
+        want = dz.t() @ e.double() + (start_dc.double() if add else 0.0)
+        assert rel_err(dc, want) < 1e-6
+        assert rel_err(db, dz.sum(dim=0)) < 1e-6

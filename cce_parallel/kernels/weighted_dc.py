@@ -1,0 +1,139 @@
+"""dC and dbias recomputed for per-token weights, or nothing at all, as a flag on the device says.
+
+The one-pass path computes dC and dbias in the forward for one weight per kept token. When the
+backward gets a per-token upstream gradient, whether it is that one number (Megatron's loss_mask /
+count with the mask folded into ignore_index) or real per-token weights is known only on the
+device. Asking the host would leave the GPU idle until it queues the next work (10 % of Phi 3.5
+mini's loss + gradients on an H100). So this one launch always goes into the queue, and each of
+its programs reads the flag first: 0, and it returns (a few microseconds); otherwise it computes
+
+    dC[v] = sum_t dz[t, v] E[t],  dbias[v] = sum_t dz[t, v],  dz = A p - B [v == target] - U
+
+(times the softcap's 1 - tanh^2), p = exp(z - lse), dz rounded to the input dtype once as in the
+lean backward, the sums in fp32. Grid (cdiv(V, BLOCK_V), cdiv(D, BLOCK_D)): each program owns a
+[BLOCK_V, BLOCK_D] tile of dC and walks all tokens, recomputing its [BLOCK_N, BLOCK_V] logits over
+the whole D (blocks of tokens whose A, B and U are all 0 are skipped). That repeats the logits
+GEMM cdiv(D, BLOCK_D) times, but needs no workspace, no atomics (deterministic) and no second
+launch; it runs only for calls whose upstream gradient really is per token, and after the first
+of those the loss takes the lean path for reduction "none" (ops/autograd.py). Offsets are int64.
+"""
+
+import triton
+import triton.language as tl
+
+from cce_parallel.kernels.tiles import activate, logit_grad, probs_tile
+
+
+@triton.jit
+def _weighted_dc_kernel(
+    Flag_ptr,  # [1] int32: 0 = return at once
+    E_ptr,  # [N, D] row stride stride_en
+    C_ptr,  # [V, D] row stride stride_cv
+    Bias_ptr,  # [V] (dummy unless HAS_BIAS)
+    Tgt_ptr,  # [N] int64 target row in this shard, outside [0, V) when not here
+    Lse_ptr,  # [N] fp32
+    A_ptr,  # [N] fp32 coefficient of p
+    B_ptr,  # [N] fp32 coefficient of the one-hot target
+    U_ptr,  # [N] fp32 uniform coefficient (dummy unless HAS_UNIFORM)
+    Scale_ptr,  # [1] fp32 power of two dz is stored times (fp16), divided out at the end
+    DC_ptr,  # [V, D] out, row stride stride_dc: written, or added to where ADD_DC
+    DB_ptr,  # [V] out: written (dummy unless NEED_DB)
+    softcap,
+    N,
+    V,
+    D,
+    stride_en,
+    stride_cv,
+    stride_dc,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_UNIFORM: tl.constexpr,
+    NEED_DC: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    ADD_DC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    if tl.load(Flag_ptr) != 0:
+        pid_v = tl.program_id(0).to(tl.int64)
+        pid_d = tl.program_id(1).to(tl.int64)
+        rows = pid_v * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+        mask_v = rows < V
+        cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+        mask_d = cols < D
+        scale = tl.load(Scale_ptr)
+        acc = tl.zeros([BLOCK_V, BLOCK_D], tl.float32)
+        db = tl.zeros([BLOCK_V], tl.float32)
+        for t0 in range(0, N, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N).to(tl.int64)
+            mask_n = offs_n < N
+            weight = tl.abs(tl.load(A_ptr + offs_n, mask=mask_n, other=0.0))
+            weight += tl.abs(tl.load(B_ptr + offs_n, mask=mask_n, other=0.0))
+            if HAS_UNIFORM:
+                weight += tl.abs(tl.load(U_ptr + offs_n, mask=mask_n, other=0.0))
+            if tl.sum(weight, axis=0) != 0.0:  # NaN weights count: they must reach the result
+                x = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+                for k0 in range(0, D, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+                    mask_k = ks < D
+                    e = tl.load(E_ptr + offs_n[:, None] * stride_en + ks[None, :],
+                                mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                    c = tl.load(C_ptr + rows[:, None] * stride_cv + ks[None, :],
+                                mask=mask_v[:, None] & mask_k[None, :], other=0.0)
+                    x = tl.dot(e, tl.trans(c), x, input_precision=PRECISION)
+                m = mask_n[:, None] & mask_v[None, :]
+                z, t = activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+                p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
+                dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
+                g = tl.where(m, dz * scale, 0.0).to(E_ptr.dtype.element_ty)
+                if NEED_DC:
+                    e_d = tl.load(E_ptr + offs_n[:, None] * stride_en + cols[None, :],
+                                  mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                    acc = tl.dot(tl.trans(g), e_d, acc, input_precision=PRECISION)
+                if NEED_DB:
+                    db += tl.sum(g.to(tl.float32), axis=0)
+        if NEED_DC:
+            out = DC_ptr + rows[:, None] * stride_dc + cols[None, :]
+            mask = mask_v[:, None] & mask_d[None, :]
+            acc = acc / scale
+            if ADD_DC:
+                acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out, acc.to(DC_ptr.dtype.element_ty), mask=mask)
+        if NEED_DB:  # noqa: SIM102 - a constexpr, then a runtime test
+            if pid_d == 0:
+                tl.store(DB_ptr + rows, (db / scale).to(DB_ptr.dtype.element_ty), mask=mask_v)
+
+
+def weighted_dc(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, *, softcap, add_dc: bool):
+    """If flag (int32 [1], on the device) is not 0: dC into dc (added to it where add_dc, else
+    written) and dbias written into db, of the logit gradient A p - B [target] - U over e's tokens
+    (see the module docstring); dc or db may be None. Otherwise nothing moves. No host sync.
+
+    e [N, D], c [V, D] (row strides, unit column stride); targets int64 [N], rows of c (outside
+    [0, V) where not here); lse, a, b, u fp32 [N] (u may be None); scale fp32 [1], a power of two
+    (kernels.grad_scale) for fp16, else 1."""
+    n, d = e.shape
+    v = c.shape[0]
+    if (dc is None and db is None) or v == 0 or d == 0:
+        return
+    for name, t in (("e", e), ("c", c), ("dc", dc)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit column stride")
+    if e.is_cuda:
+        blocks = {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
+    else:  # the interpreter: small tiles that still leave partial blocks at every edge of the tests
+        blocks = {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 32, "BLOCK_K": 16}
+    grid = (triton.cdiv(v, blocks["BLOCK_V"]), triton.cdiv(d, blocks["BLOCK_D"]) if dc is not None else 1)
+    dummy = lse
+    _weighted_dc_kernel[grid](
+        flag, e, c, bias if bias is not None else dummy, targets, lse, a, b, u if u is not None else dummy, scale,
+        dc if dc is not None else dummy, db if db is not None else dummy,
+        float(softcap) if softcap is not None else 0.0, n, v, d, e.stride(0), c.stride(0),
+        dc.stride(0) if dc is not None else 0,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=u is not None,
+        NEED_DC=dc is not None, NEED_DB=db is not None, ADD_DC=add_dc,
+        PRECISION="ieee", **blocks,  # fp32 inputs: full fp32 products (no effect on bf16 / fp16)
+    )
