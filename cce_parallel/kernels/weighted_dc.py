@@ -20,6 +20,7 @@ of those the loss takes the lean path for reduction "none" (ops/autograd.py). Of
 
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from cce_parallel.kernels.tiles import activate, logit_grad, probs_tile
 
@@ -107,25 +108,28 @@ def _weighted_dc_kernel(
                 tl.store(DB_ptr + rows, (db / scale).to(DB_ptr.dtype.element_ty), mask=mask_v)
 
 
-def weighted_dc(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, *, softcap, add_dc: bool):
-    """If flag (int32 [1], on the device) is not 0: dC into dc (added to it where add_dc, else
-    written) and dbias written into db, of the logit gradient A p - B [target] - U over e's tokens
-    (see the module docstring); dc or db may be None. Otherwise nothing moves. No host sync.
+# Tiles on a GPU (tuned nowhere: this kernel runs for a process's first per-token-weighted call
+# only); on the interpreter, small ones that still leave partial blocks at every edge of the tests.
+CUDA_BLOCKS = {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
+CPU_BLOCKS = {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 32, "BLOCK_K": 16, "num_warps": 1, "num_stages": 2}
+# (device, dtype) -> the tiles that fit, where CUDA_BLOCKS needed more shared memory than the GPU
+# has (fp32 inputs on GPUs with ~100 KB per SM). The launch is queued on every per-token backward,
+# so it must compile everywhere.
+_FITTING: dict = {}
 
-    e [N, D], c [V, D] (row strides, unit column stride); targets int64 [N], rows of c (outside
-    [0, V) where not here); lse, a, b, u fp32 [N] (u may be None); scale fp32 [1], a power of two
-    (kernels.grad_scale) for fp16, else 1."""
+
+def _smaller(blocks: dict) -> dict:
+    """Narrower dC tiles down to 32 columns, then one stage; OutOfResources when there is none."""
+    if blocks["BLOCK_D"] > 32:
+        return dict(blocks, BLOCK_D=blocks["BLOCK_D"] // 2)
+    if blocks["num_stages"] > 1:
+        return dict(blocks, num_stages=1)
+    raise OutOfResources(0, 0, "shared memory (no smaller tiling of weighted_dc)")
+
+
+def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, softcap, add_dc):
     n, d = e.shape
     v = c.shape[0]
-    if (dc is None and db is None) or v == 0 or d == 0:
-        return
-    for name, t in (("e", e), ("c", c), ("dc", dc)):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit column stride")
-    if e.is_cuda:
-        blocks = {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
-    else:  # the interpreter: small tiles that still leave partial blocks at every edge of the tests
-        blocks = {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 32, "BLOCK_K": 16}
     grid = (triton.cdiv(v, blocks["BLOCK_V"]), triton.cdiv(d, blocks["BLOCK_D"]) if dc is not None else 1)
     dummy = lse
     _weighted_dc_kernel[grid](
@@ -137,3 +141,26 @@ def weighted_dc(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, *, softc
         NEED_DC=dc is not None, NEED_DB=db is not None, ADD_DC=add_dc,
         PRECISION="ieee", **blocks,  # fp32 inputs: full fp32 products (no effect on bf16 / fp16)
     )
+
+
+def weighted_dc(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, *, softcap, add_dc: bool):
+    """If flag (int32 [1], on the device) is not 0: dC into dc (added to it where add_dc, else
+    written) and dbias written into db, of the logit gradient A p - B [target] - U over e's tokens
+    (see the module docstring); dc or db may be None. Otherwise nothing moves. No host sync.
+
+    e [N, D], c [V, D] (row strides, unit column stride); targets int64 [N], rows of c (outside
+    [0, V) where not here); lse, a, b, u fp32 [N] (u may be None); scale fp32 [1], a power of two
+    (kernels.grad_scale) for fp16, else 1."""
+    if (dc is None and db is None) or c.shape[0] == 0 or e.shape[1] == 0:
+        return
+    for name, t in (("e", e), ("c", c), ("dc", dc)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit column stride")
+    key = (e.device, e.dtype)
+    blocks = _FITTING.get(key, CUDA_BLOCKS if e.is_cuda else CPU_BLOCKS)
+    while True:
+        try:
+            _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, softcap, add_dc)
+            return
+        except OutOfResources:
+            blocks = _FITTING[key] = _smaller(blocks)

@@ -779,3 +779,37 @@ def test_weighted_dc_moves_nothing_unless_flagged(add, device):
         want = dz.t() @ e.double() + (start_dc.double() if add else 0.0)
         assert rel_err(dc, want) < 1e-6
         assert rel_err(db, dz.sum(dim=0)) < 1e-6
+
+
+def test_weighted_dc_retries_smaller_tiles_when_shared_memory_runs_out(device, monkeypatch):
+    """The launch is queued on every per-token backward, so a GPU with less shared memory than the
+    default tiles need must still run it: narrower dC tiles, then one stage, remembered per device
+    and dtype."""
+    import importlib
+
+    from triton.runtime.errors import OutOfResources
+
+    module = importlib.import_module("cce_parallel.kernels.weighted_dc")
+    tried = []
+    real = module._launch
+
+    def launch(blocks, *args):
+        tried.append(blocks)
+        if len(tried) == 1:
+            raise OutOfResources(1, 0, "shared memory")
+        return real(blocks, *args)
+
+    monkeypatch.setattr(module, "_launch", launch)
+    monkeypatch.setattr(module, "_FITTING", {})
+    x = inputs(device)
+    grad_loss, _ = upstream(x["targets"], "none", False)
+    with pytest.warns(UserWarning, match="not one number"):
+        check_against_oracle(linear_cross_entropy, x, {"impl": IMPL, "reduction": "none"}, TIGHT,
+                             grad_loss=grad_loss, label="smaller tiles")
+    first = module.CUDA_BLOCKS if device.type == "cuda" else module.CPU_BLOCKS
+    assert tried == [first, module._smaller(first)]
+    assert module._FITTING == {(x["e"].device, x["e"].dtype): module._smaller(first)}
+    assert module._smaller({"BLOCK_D": 64, "num_stages": 2}) == {"BLOCK_D": 32, "num_stages": 2}
+    assert module._smaller({"BLOCK_D": 32, "num_stages": 2}) == {"BLOCK_D": 32, "num_stages": 1}
+    with pytest.raises(OutOfResources):
+        module._smaller({"BLOCK_D": 32, "num_stages": 1})
