@@ -20,7 +20,6 @@ import json
 import math
 import os
 import platform
-import random
 import re
 import shlex
 import statistics
@@ -363,24 +362,44 @@ def time_ms(
     return times
 
 
+def balanced_orders(n: int, rounds: int) -> list:
+    """Orders of n keys (lists of 0 .. n-1) for `rounds` rounds: the rows of a Williams design in
+    turn. Its first row is 0, 1, n-1, 2, n-2, ..., the others add 1, 2, ... to it (mod n), and for
+    an odd n the reversed rows follow, so that over n (odd n: 2n) rows every key runs in every
+    position, and right after every other key, equally often."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(k + i) % n for k in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [rows[r % len(rows)] for r in range(rounds)]
+
+
 def time_in_rounds(
     calls: list, *, device, warmup: int, repeats: int, rounds: int, setup: Callable[[], None] | None = None
 ) -> dict:
     """Time several calls side by side: `rounds` rounds, each running every (key, fn) of `calls` in
     turn (`warmup` untimed calls in the first round, one in the later ones), `repeats` timed calls
-    per key in all. A clock that drifts (a card heating up) then weighs on every key alike. Each
-    round runs the keys in another order (a shuffle seeded by the round's number), so no key
-    always follows the same neighbour: what ran just before, e.g. a slow peer that leaves the
-    clocks or the allocator's cache in another state, then weighs on every key alike too.
+    per key in all. A clock that drifts (a card heating up) then weighs on every key alike. The
+    rounds' orders are the rows of a Williams design (balanced_orders): over as many rounds as
+    there are keys (twice that for an odd number), every key runs in every position, and right
+    after every other key, equally often. What ran just before, e.g. a slow peer that leaves the
+    clocks or the allocator's cache in another state, then weighs on every key alike too (seeded
+    shuffles left some keys behind the same neighbour in most rounds: two keys running the same
+    kernels measured 2-5 % apart in one run).
 
     Returns {key: (times in ms, the exception that stopped the key or None)}; a key that failed is
     not run again, and a fatal CUDA error stops everything.
     """
     out = {key: ([], None) for key, _ in calls}
     per_round = [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
-    for i, n in enumerate(per_round):
-        order = list(calls)
-        random.Random(i).shuffle(order)
+    for i, (n, rows) in enumerate(zip(per_round, balanced_orders(len(calls), rounds))):
+        order = [calls[j] for j in rows]
         for key, fn in order:
             times, failed = out[key]
             if failed is not None:

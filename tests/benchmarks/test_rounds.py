@@ -24,4 +24,25 @@ def test_rounds_shuffle_the_order_and_time_every_key():
     assert all(sorted(r) == list(keys) for r in rounds)
     # No key always runs behind the same neighbour (a rotation of the list did that).
     behind = {key: {r[r.index(key) - 1] for r in rounds if r.index(key) > 0} for key in keys}
-    assert any(len(seen) > 1 for seen in behind.values()), rounds
+    assert all(len(seen) > 1 for seen in behind.values()), rounds
+
+
+def test_balanced_orders_put_every_key_everywhere_and_behind_every_other_key_once():
+    """A Williams design: over n rounds (2n for odd n) each key takes each position equally often
+    and follows each other key equally often."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _common as C
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for n in range(1, 10):
+        span = n if n % 2 == 0 else 2 * n
+        rows = C.balanced_orders(n, span)
+        times = span // n
+        assert all(sorted(row) == list(range(n)) for row in rows)
+        for pos in range(n):
+            assert sorted(row[pos] for row in rows) == sorted(list(range(n)) * times)
+        pairs = [(row[i - 1], row[i]) for row in rows for i in range(1, n)]
+        want = sorted((a, b) for a in range(n) for b in range(n) if a != b) * times
+        assert sorted(pairs) == sorted(want), (n, rows)
+    assert C.balanced_orders(4, 6)[4:] == C.balanced_orders(4, 2)  # more rounds repeat the rows
