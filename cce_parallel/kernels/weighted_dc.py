@@ -3,7 +3,7 @@
 The one-pass path computes dC and dbias in the forward for one weight per kept token. When the
 backward gets a per-token upstream gradient, whether it is that one number (Megatron's loss_mask /
 count with the mask folded into ignore_index) or real per-token weights is known only on the
-device. Asking the host would leave the GPU idle until it queues the next work (10 % of Phi 3.5
+device. Asking the host would leave the GPU idle until it queues the next work (11 % of Phi 3.5
 mini's loss + gradients on an H100). So this one launch always goes into the queue, and each of
 its programs reads the flag first: 0, and it returns (a few microseconds); otherwise it computes
 
