@@ -22,8 +22,9 @@ class KernelConfig:
     statistics, and _dz_rows_kernel turns them into the logit gradient in place, rows_block_n rows
     per program, rows_block_v columns per step, rows_num_warps warps.
 
-    Lean path (logits_budget=0, and reduction "none" once a call got per-token weights): the forward's fp32 logit chunks hold at most fwd_chunk_bytes, the backward's chunk of
-    fp32 logits plus logit gradient at most bwd_workspace_bytes; a chunk keeps at least
+    Lean path (logits_budget=0, and reduction "none" once a call got per-token weights): the
+    forward's fp32 logit chunks hold at most fwd_chunk_bytes, the backward's chunk of fp32 logits
+    plus logit gradient at most bwd_workspace_bytes; a chunk keeps at least
     dense_min_cols vocabulary columns, and past that the tokens are split into blocks instead
     (narrower chunks make the traffic grow as N^2). bwd_block_n / bwd_block_v / bwd_num_warps
     shape the lean backward's dz tiles.

@@ -786,9 +786,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 if main is not None:
                     main.addcmul_(dc1, ratio)
                 dc = _scaled(dc1, ratio, c.dtype) if main is None else None
-            g_k = torch.where(keep, g, 0.0) if ratio is None or weighted is not None else None
+            if ratio is None or weighted is not None:  # dC and dbias may need recomputing
+                a, b, u = coefficients(torch.where(keep, g, 0.0), None, lse, cfg)
             if weighted is not None:
-                a, b, u = coefficients(g_k, None, lse, cfg)
                 scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
                 kernels.weighted_dc(weighted, e_all, c, bias, targets, lse, a, b, u, scale,
                                     main if main is not None else dc, db, softcap=cfg.softcap, add_dc=main is not None)
@@ -798,8 +798,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 # likely. dC and dbias recompute with library GEMMs, exact for any weights.
                 dc = db = None
                 if dc1 is not None or db1 is not None:
-                    _, dc, db = lean_backward(e_all, c, bias, targets, lse, *coefficients(g_k, None, lse, cfg), cfg,
-                                              need_de=False)
+                    _, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=False)
                     db = db.to(bias.dtype) if db1 is not None else None
                     if main is not None:
                         main.add_(dc)
