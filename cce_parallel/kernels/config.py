@@ -49,7 +49,7 @@ class KernelConfig:
     probs_block_v: int = 256
     probs_block_d: int = 64
     probs_num_warps: int = 8
-    probs_num_stages: int = 4
+    probs_num_stages: int = 3  # 4 stages and W's store staging overflow the H100's shared memory
     probs_programs: int = 132
 
     def __post_init__(self):
@@ -107,6 +107,6 @@ def _config(device: torch.device, dtype: torch.dtype, text) -> KernelConfig:
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         cfg = replace(KernelConfig(), fwd_programs=4 * sms, probs_programs=sms)
-        if dtype == torch.float32:  # fp32 operands: 4 stages overflow shared memory
-            cfg = replace(cfg, probs_block_d=32, probs_num_stages=2)
+        if dtype == torch.float32:  # fp32 operands and W: the bf16 tiling overflows shared memory
+            cfg = replace(cfg, probs_block_v=128, probs_block_d=32)
     return replace(cfg, **_env_override(text)) if text else cfg

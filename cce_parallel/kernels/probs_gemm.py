@@ -49,7 +49,8 @@ def _logits_probs_kernel(
     C,  # [V, D] classifier rows: a descriptor of [BLOCK_V, BLOCK_D] blocks if TMA, else a pointer
     Bias_ptr,  # [V] bias (dummy unless HAS_BIAS)
     Tgt_ptr,  # [N] targets (any integer dtype): row target - start of this shard
-    W_ptr,  # [N, V] out, row stride stride_w: exp(z - ref of the tile) in the input dtype
+    W,  # [N, V] out, exp(z - ref of the tile) in the input dtype: a descriptor of [BLOCK_N, BLOCK_V]
+    #     blocks if TMA, else a pointer (row stride stride_w)
     K_ptr,  # [N, T] fp32 out: each tile's reference in BUCKET log2 units (an integer)
     S_ptr,  # [N, T] fp32 out: each tile's sum of exp(z - ref)
     Zt_ptr,  # [N] fp32: z at the target, written by the tile that holds it (the caller zeroes it)
@@ -60,7 +61,7 @@ def _logits_probs_kernel(
     V,
     D,
     T,  # vocabulary tiles: cdiv(V, BLOCK_V)
-    stride_e,  # row strides of e and c (unused with TMA)
+    stride_e,  # row strides of e, c and W (unused with TMA)
     stride_c,
     stride_w,
     HAS_BIAS: tl.constexpr,
@@ -73,14 +74,20 @@ def _logits_probs_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PROGRAMS: tl.constexpr,  # the grid: each program takes every PROGRAMS-th tile
+    GROUP_N: tl.constexpr,  # token tiles that sweep the vocabulary together
 ):
     # Persistent: the loop over tiles is flattened with the loop over D, so the next tile's loads
-    # are in flight during this tile's epilogue. Consecutive tiles share a vocabulary tile and run
-    # over every token tile: the block's E stays in L2 and each classifier tile is read once.
+    # are in flight during this tile's epilogue. The token tiles go in groups of GROUP_N; within a
+    # group, consecutive tiles share a vocabulary tile and run over the group's token tiles: the
+    # group's E stays in L2 and each classifier tile is read once per group.
     tiles_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles_n * T, PROGRAMS, flatten=True):
-        pid_n = tile % tiles_n
-        pid_v = tile // tiles_n
+        group = tile // (GROUP_N * T)
+        first_n = group * GROUP_N
+        rows_g = tl.minimum(tiles_n - first_n, GROUP_N)
+        within = tile - group * (GROUP_N * T)
+        pid_n = first_n + within % rows_g
+        pid_v = within // rows_g
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_n = offs_n < N
@@ -109,7 +116,7 @@ def _logits_probs_kernel(
                 c_ptrs += BLOCK_D
 
         z, t = activate(acc, Bias_ptr, offs_v, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
-        z = tl.where(mask_v[None, :], z, float("-inf"))
+        z = z + tl.where(mask_v, 0.0, float("-inf"))[None, :]  # an add: cheaper than a select per entry
         top = tl.max(z, axis=1)
         k = tl.floor((top * LOG2E + 0.5 * _BUCKET) / _BUCKET)
         k = tl.where(top > float("-inf"), k, _EMPTY)
@@ -118,13 +125,20 @@ def _logits_probs_kernel(
         if HAS_SOFTCAP:
             p = p * (1.0 - t * t)
         tile_of_row = offs_n * T + pid_v
-        tl.store(W_ptr + offs_n[:, None] * stride_w + offs_v[None, :], p.to(W_ptr.dtype.element_ty),
-                 mask=mask_n[:, None] & mask_v[None, :])
+        if TMA:
+            # The copy engine stores the tile from shared memory, clipped at the edges of W, while
+            # the threads go on: no per-element addresses or masks (1-2 % off the GEMM's time on an
+            # H200, benchmarks/results/h200_20261126_fused_epilogue.md).
+            W.store([pid_n * BLOCK_N, pid_v * BLOCK_V], p.to(W.dtype))
+        else:
+            tl.store(W + offs_n[:, None] * stride_w + offs_v[None, :], p.to(W.dtype.element_ty),
+                     mask=mask_n[:, None] & mask_v[None, :])
         tl.store(K_ptr + tile_of_row, k, mask=mask_n)
         tl.store(S_ptr + tile_of_row, s, mask=mask_n)
         tgt = tl.load(Tgt_ptr + offs_n, mask=mask_n, other=0).to(tl.int64) - start
         here = mask_n & (tgt >= pid_v * BLOCK_V) & (tgt < tl.minimum(pid_v * BLOCK_V + BLOCK_V, V))
-        zt = tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+        col = tl.where(here, tgt - pid_v * BLOCK_V, -1).to(tl.int32)  # 32-bit compares per entry
+        zt = tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == col[:, None], z, 0.0), axis=1)
         tl.store(Zt_ptr + offs_n, zt, mask=here)
         if NEED_ZSUM:
             tl.store(Zs_ptr + tile_of_row, tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1), mask=mask_n)
@@ -255,29 +269,31 @@ def _launch(e, c, bias, targets, start, out, zt, dummy, softcap, need_zsum, conf
     f32 = dict(device=e.device, dtype=torch.float32)
     k_t, s_t = torch.empty((n, tiles), **f32), torch.empty((n, tiles), **f32)
     zs_t = torch.empty((n, tiles), **f32) if need_zsum else None
-    tma = _tma_usable(e, c)
+    tma = _tma_usable(e, c, out)
     if tma:
         e_in, c_in = TensorDescriptor.from_tensor(e, [bn, bd]), TensorDescriptor.from_tensor(c, [bv, bd])
+        w_out = TensorDescriptor.from_tensor(out, [bn, bv])
     else:
-        e_in, c_in = e, c
+        e_in, c_in, w_out = e, c, out
     programs = min(triton.cdiv(n, bn) * tiles, config.probs_programs)
     _logits_probs_kernel[(programs,)](
-        e_in, c_in, bias if bias is not None else dummy, targets, out, k_t, s_t, zt, zs_t if need_zsum else dummy,
+        e_in, c_in, bias if bias is not None else dummy, targets, w_out, k_t, s_t, zt, zs_t if need_zsum else dummy,
         float(softcap) if softcap is not None else 1.0, start, n, v, d, tiles, e.stride(0), c.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=need_zsum, TMA=tma,
         EVEN_D=d % bd == 0, PRECISION="ieee", BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PROGRAMS=programs,
+        GROUP_N=16 if e.is_cuda else 2,  # the interpreter's small calls: several groups, a partial last one
         num_warps=config.probs_num_warps, num_stages=stages,
     )
     return tiles, k_t, s_t, zs_t
 
 
-def _tma_usable(e, c) -> bool:
-    """The copy engine (Hopper and later, or the interpreter) takes e and c when their base
-    addresses and row strides are multiples of 16 bytes."""
-    if e.is_cuda and torch.cuda.get_device_capability(e.device) < (9, 0):
+def _tma_usable(*tensors) -> bool:
+    """The copy engine (Hopper and later, or the interpreter) takes e, c and W when their base
+    addresses and row strides are multiples of 16 bytes (one_pass pads W's rows so)."""
+    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (e, c))
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 @triton.jit
