@@ -128,7 +128,7 @@ def _logits_probs_kernel(
         if TMA:
             # The copy engine stores the tile from shared memory, clipped at the edges of W, while
             # the threads go on: no per-element addresses or masks (1-2 % off the GEMM's time on an
-            # H200, benchmarks/results/h200_20261126_fused_epilogue.md).
+            # H200, benchmarks/results/h200_20261126_probes.md).
             W.store([pid_n * BLOCK_N, pid_v * BLOCK_V], p.to(W.dtype))
         else:
             tl.store(W + offs_n[:, None] * stride_w + offs_v[None, :], p.to(W.dtype.element_ty),
