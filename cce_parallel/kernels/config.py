@@ -49,7 +49,7 @@ class KernelConfig:
     probs_block_v: int = 256
     probs_block_d: int = 64
     probs_num_warps: int = 8
-    probs_num_stages: int = 3  # 4 stages and W's store staging overflow the H100's shared memory
+    probs_num_stages: int = 3  # 4 x 48 KiB of operands + W's 64 KiB staging tile > an H100's 227 KiB
     probs_programs: int = 132
 
     def __post_init__(self):
