@@ -397,8 +397,7 @@ def time_in_rounds(
     not run again, and a fatal CUDA error stops everything.
     """
     out = {key: ([], None) for key, _ in calls}
-    per_round = [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
-    for i, (n, rows) in enumerate(zip(per_round, balanced_orders(len(calls), rounds))):
+    for i, (n, rows) in enumerate(zip(round_sizes(repeats, rounds), balanced_orders(len(calls), rounds))):
         order = [calls[j] for j in rows]
         for key, fn in order:
             times, failed = out[key]
@@ -416,12 +415,32 @@ def time_in_rounds(
     return out
 
 
+def round_sizes(repeats: int, rounds: int) -> list:
+    """Timed calls per key in each round of time_in_rounds (its times come in this order)."""
+    return [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
+
+
+def paired_ratio(times: list, ref_times: list, sizes: list):
+    """The median over rounds of (median of `times` in the round / median of `ref_times` in it),
+    both laid out in rounds of `sizes` calls (time_in_rounds): a clock that drifts between rounds
+    moves both medians of a round alike and leaves the ratio. None unless both have every call."""
+    if len(times) != sum(sizes) or len(ref_times) != sum(sizes) or not sizes:
+        return None
+    ratios, start = [], 0
+    for n in sizes:
+        if n:
+            ratios.append(statistics.median(times[start:start + n]) / statistics.median(ref_times[start:start + n]))
+        start += n
+    return statistics.median(ratios) if ratios else None
+
+
 def summarize_times(times: list[float]) -> dict:
     return {
         "median_ms": statistics.median(times),
         "min_ms": min(times),
         "max_ms": max(times),
         "n": len(times),
+        "times_ms": [round(t, 4) for t in times],  # in the order taken (rounds, for time_in_rounds)
     }
 
 

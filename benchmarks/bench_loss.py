@@ -335,6 +335,8 @@ def interleaved_fwd_bwd(alive: list, e, c, t, shape: C.Shape, args, device, resu
         calls, device=device, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds, setup=clear_grads
     )
     flops_fb = 6.0 * shape.N * shape.V * shape.D
+    sizes = C.round_sizes(args.repeats, args.rounds)
+    ref = timed.get("compile", ([], None))[0]
     for key, (times, exc) in timed.items():
         res = results[key]
         if exc is not None:
@@ -344,6 +346,8 @@ def interleaved_fwd_bwd(alive: list, e, c, t, shape: C.Shape, args, device, resu
         else:
             res["fwd_bwd"] = C.summarize_times(times)
             res["fwd_bwd_tflops"] = flops_fb / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
+            # Against torch.compile round by round (None without it or where a round is short).
+            res["fwd_bwd"]["vs_compile_paired"] = C.paired_ratio(times, ref, sizes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,6 +533,10 @@ def render_markdown(data: dict) -> str:
         f"- memory: {MEMORY_CONVENTION}",
         "- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference from the same inputs upcast",
         "- fwd ×mm: cuBLAS matmul time of the logits over the method's forward time (target ≥ 0.7)",
+        (
+            "- fwd+bwd ×compile, paired: per round, the method's median fwd+bwd time over torch.compile's in "
+            "that round; the median of those ratios over the rounds (a clock drifting between rounds cancels)"
+        ),
         "",
         "Regimes:",
     ]
@@ -554,10 +562,10 @@ def render_markdown(data: dict) -> str:
         lines.append(_case_header(cs))
         lines.append("")
         lines.append(
-            "| method | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB | fwd TFLOP/s | fwd ×mm "
-            "| fwd+bwd TFLOP/s | loss err | ∇E err | ∇C err | status |"
+            "| method | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd ×compile, paired | fwd+bwd MiB | fwd TFLOP/s "
+            "| fwd ×mm | fwd+bwd TFLOP/s | loss err | ∇E err | ∇C err | status |"
         )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for k, r in cs["methods"].items():
             if r.get("status") == "unavailable":
                 continue
@@ -573,6 +581,7 @@ def render_markdown(data: dict) -> str:
                         C.fmt_num(_get(r, "fwd", "median_ms"), ".2f"),
                         C.fmt_mib(_get(r, "fwd_mem_bytes")),
                         C.fmt_num(_get(r, "fwd_bwd", "median_ms"), ".2f"),
+                        C.fmt_num(_get(r, "fwd_bwd", "vs_compile_paired"), ".3f"),
                         C.fmt_mib(_get(r, "fwd_bwd_mem_bytes")),
                         C.fmt_num(_get(r, "fwd_tflops"), ".0f"),
                         C.fmt_num(_get(r, "fwd_vs_matmul"), ".2f"),

@@ -46,3 +46,29 @@ def test_balanced_orders_put_every_key_everywhere_and_behind_every_other_key_onc
         want = sorted((a, b) for a in range(n) for b in range(n) if a != b) * times
         assert sorted(pairs) == sorted(want), (n, rows)
     assert C.balanced_orders(4, 6)[4:] == C.balanced_orders(4, 2)  # more rounds repeat the rows
+
+
+def test_paired_ratio_is_the_median_over_rounds_of_the_rounds_median_ratios():
+    """Round by round, the ratio of the two medians; then their median over the rounds. A clock
+    that differs between rounds (here 1.3x in two of four) scales both medians of its round and
+    leaves the ratios; a key that lost calls has no paired ratio."""
+    import statistics
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _common as C
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    sizes = C.round_sizes(10, 4)
+    assert sizes == [3, 3, 2, 2]
+    clock = [1.0, 1.3, 1.3, 1.0]
+    ref = [10.0 * clock[i] * (1 + 0.01 * j) for i, n in enumerate(sizes) for j in range(n)]
+    times = [0.95 * t for t in ref]
+    assert abs(C.paired_ratio(times, ref, sizes) - 0.95) < 1e-12
+    # Per-round noise of the method: the ratios 0.95 * (1.02, 0.99, 1.04, 0.97), their median.
+    wobble = [1.02, 0.99, 1.04, 0.97]
+    noisy = [t * wobble[i] for i, n in enumerate(sizes) for t in times[sum(sizes[:i]):sum(sizes[:i]) + n]]
+    want = statistics.median(0.95 * w for w in wobble)
+    assert abs(C.paired_ratio(noisy, ref, sizes) - want) < 1e-12
+    assert C.paired_ratio(times[:-1], ref, sizes) is None
+    assert C.paired_ratio(times, ref[:-1], sizes) is None
