@@ -768,8 +768,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 de = _scaled(de1, ratio, e_dtype)
             else:
                 # Per token: dE is linear in each token's weight, so its rows scale exactly whatever
-                # the weights are.
-                w = torch.where(keep, g, 0.0) / grad_scale
+                # the weights are. Ignored tokens' upstream gradients may be anything: they count as 0.
+                g_k = torch.where(keep, g, 0.0)
+                w = g_k / grad_scale
                 de = None
                 if de1 is not None:
                     de = kernels.scaled_copy(de1, w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
@@ -786,8 +787,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 if main is not None:
                     main.addcmul_(dc1, ratio)
                 dc = _scaled(dc1, ratio, c.dtype) if main is None else None
-            if ratio is None or weighted is not None:  # dC and dbias may need recomputing
-                a, b, u = coefficients(torch.where(keep, g, 0.0), None, lse, cfg)
+            if ratio is None or weighted is not None:  # per token: dC and dbias may need recomputing
+                a, b, u = coefficients(g_k, None, lse, cfg)
             if weighted is not None:
                 scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
                 kernels.weighted_dc(weighted, e_all, c, bias, targets, lse, a, b, u, scale,
