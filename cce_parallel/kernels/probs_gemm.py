@@ -144,6 +144,17 @@ def _logits_probs_kernel(
             tl.store(Zs_ptr + tile_of_row, tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1), mask=mask_n)
 
 
+@triton.jit
+def _down(x, steps):
+    """x * 2^(BUCKET * steps) for integer steps <= 0, exactly where the result is an fp32 number: as
+    two factors 2^(BUCKET / 2 * steps). One factor of 2^-128 would be subnormal, and the GPU's exp2
+    flushes subnormal results to 0: a row's tiles one reference below its largest then vanished
+    (with logits past 44 nats, up to ~10 % of a row's sum on an H200), where the interpreter kept
+    them. The products themselves keep subnormals."""
+    half = tl.exp2(steps * (_BUCKET / 2))
+    return x * half * half
+
+
 # Not specialized on its sizes: with N, V, T and the row stride all multiples of 16 (a tiny Megatron
 # GPT's bf16 loss) triton 3.6 failed to compile it (TritonGPUOptimizeThreadLocality).
 @triton.jit(do_not_specialize=["N", "V", "T"])
@@ -179,7 +190,7 @@ def _rows_kernel(
         m = mask_r[:, None] & (tiles < T)[None, :]
         idx = rows[:, None] * T + tiles[None, :]
         k = tl.load(K_ptr + idx, mask=m, other=_EMPTY)
-        s += tl.sum(tl.load(S_ptr + idx, mask=m, other=0.0) * tl.exp2((k - kmax[:, None]) * _BUCKET), axis=1)
+        s += tl.sum(_down(tl.load(S_ptr + idx, mask=m, other=0.0), k - kmax[:, None]), axis=1)
         if NEED_ZSUM:
             zsum += tl.sum(tl.load(Zs_ptr + idx, mask=m, other=0.0), axis=1)
         # Tiles without a finite logit (k = EMPTY) hold zeros and need nothing.
@@ -193,7 +204,7 @@ def _rows_kernel(
                     wm = low[:, None] & (cols < V)[None, :]
                     ptrs = W_ptr + rows[:, None] * stride_w + cols[None, :]
                     w = tl.load(ptrs, mask=wm, other=0.0).to(tl.float32)
-                    w = w * tl.exp2((kj - kmax) * _BUCKET)[:, None]
+                    w = _down(w, (kj - kmax)[:, None])
                     tl.store(ptrs, w.to(W_ptr.dtype.element_ty), mask=wm)
     ref = tl.where(kmax > _EMPTY, kmax * (_BUCKET / LOG2E), float("-inf"))
     tl.store(Ref_ptr + rows, ref, mask=mask_r)
@@ -290,16 +301,22 @@ def _launch(e, c, bias, targets, start, out, zt, dummy, softcap, need_zsum, conf
 
 def _tma_usable(*tensors) -> bool:
     """The copy engine (Hopper and later, or the interpreter) takes e, c and W when their base
-    addresses and row strides are multiples of 16 bytes (one_pass pads W's rows so)."""
+    addresses, row strides and row lengths are multiples of 16 bytes (one_pass pads W's rows so).
+    The row length too: on an H200 (triton 3.6) a descriptor of a row length that is not clipped
+    its stores at the next multiple of 16 bytes, past the tensor's last column."""
     if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+    return all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+        and (t.shape[1] * t.element_size()) % 16 == 0
+        for t in tensors
+    )
 
 
 @triton.jit
 def _grad_rows_kernel(
     W_ptr,  # [k, V] W of the block (row stride stride_w); confident targets' entries rewritten
-    Ref_ptr,  # [k] fp32 this rank's reference per row: W = exp(z - ref)
+    Ref_ptr,  # [k] fp32 this rank's reference per row: W = exp(z - ref) (rows below M: see steps)
     M_ptr,  # [k] fp32 the largest reference over the ranks (any value where not finite)
     S_ptr,  # [k] fp32 sum over the whole vocabulary of exp(z - M)
     Zt_ptr,  # [k] fp32 z at the target (0 where no rank holds it)
@@ -322,7 +339,7 @@ def _grad_rows_kernel(
     HAS_SOFTCAP: tl.constexpr,
     SCALE_E: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # columns per step of the row loops over E and W
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < k
@@ -335,6 +352,20 @@ def _grad_rows_kernel(
     # A row without a finite logit anywhere has M = -inf: measured from 0 instead, as _combine does.
     m = tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
     lse = m + tl.log(s)
+    # Under tensor parallelism a row's reference here may lie whole BUCKETs below M (another rank
+    # holds logits 44 nats past this rank's). W's row is then brought to M by that power of two
+    # (_down), as _rows_kernel does for tiles: the factor 2^-128 itself is no fp32 number on a GPU,
+    # whose exp flushes it to 0, and a w that small would keep only a few bits.
+    steps = tl.where(mask_r & (ref > float("-inf")), tl.floor((ref - m) * (LOG2E / _BUCKET) + 0.5), 0.0)
+    low = steps < 0.0
+    if tl.max(low.to(tl.int32), axis=0) > 0:  # rare: a row's logits far past 44 nats on one rank
+        for v0 in range(0, V, BLOCK_D):
+            cols = v0 + tl.arange(0, BLOCK_D)
+            wm = low[:, None] & (cols < V)[None, :]
+            ptrs = W_ptr + rows[:, None] * stride_w + cols[None, :]
+            x = tl.load(ptrs, mask=wm, other=0.0).to(tl.float32)
+            tl.store(ptrs, _down(x, steps[:, None]).to(W_ptr.dtype.element_ty), mask=wm)
+        ref = tl.where(low, m, ref)
     a = tl.where(z_loss != 0.0, g * (1.0 + 2.0 * z_loss * lse), g)
     w = a * (tl.exp(ref - m) / s)
     here = (tgt >= 0) & (tgt < V)
@@ -368,9 +399,9 @@ def grad_rows(w_mat, ref, m, s, zt, g, targets, lse, w, b, e=None, we=None, *, s
     """The per-token factors of one block's logit gradient w W - B' [v == target] - U (see
     ops/autograd.py, one_pass), from its statistics over the whole vocabulary: M the largest of the
     ranks' references, S = sum exp(z - M), zt, and the weights g. Writes lse = M + log S, w =
-    A exp(ref - M) / S and B' (fp32 [k], A and B' for g, z_loss and label smoothing); where the
-    target is in this shard and p >= 1/2, W's target entry becomes exp(z_t - ref) - B' / w and
-    B' = 0. With e [k, D], also we = w e rounded to we's dtype (dC's GEMM operand). One launch:
+    A exp(ref - M) / S and B' (fp32 [k], A and B' for g, z_loss and label smoothing; a row whose
+    ref lies whole BUCKETs below M has its W brought to M first, and ref = M); where the target is
+    in this shard and p >= 1/2, W's target entry becomes exp(z_t - ref) - B' / w and B' = 0. With e [k, D], also we = w e rounded to we's dtype (dC's GEMM operand). One launch:
     about 20 PyTorch ops per block before, whose host time left the GPU idle on small heads."""
     k, v = w_mat.shape
     for name, t in (("ref", ref), ("m", m), ("s", s), ("zt", zt), ("g", g), ("lse", lse), ("w", w), ("b", b)):

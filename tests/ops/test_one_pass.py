@@ -36,6 +36,13 @@ def lean_calls(monkeypatch):
     return calls
 
 
+def _then_flags(call):
+    """call(), then read the per-token-weights flags as the next forward would: on a GPU the host
+    learns of per-token weights one call late (autograd.read_weight_flags), on a CPU at once."""
+    call()
+    autograd.read_weight_flags()
+
+
 def inputs(device, **kw):
     kw.setdefault("ignore_frac", 0.2)
     return random_inputs((N,), V, D, device=device, bias=True, **kw)
@@ -97,7 +104,8 @@ def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls
     options = dict(options, impl=IMPL, reduction="none")
     grad_loss, _ = upstream(x["targets"], "none", False)
     with pytest.warns(UserWarning, match="not one number"):
-        check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label="weights")
+        _then_flags(lambda: check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss,
+                                                 label="weights"))
     assert autograd.per_token_weights_seen and lean_calls == []
     # The next per-token call takes the lean path from the start (its backward computes dE too).
     with warnings.catch_warnings():
@@ -196,18 +204,21 @@ def test_fused_gemm_references_are_exact_powers_of_two(device):
 
     cfg = kernels.default_config(torch.device(device))
     g = torch.Generator(device).manual_seed(3)
-    z = torch.randn(6, 300, device=device, generator=g, dtype=torch.float64) * 3
+    z = torch.randn(7, 300, device=device, generator=g, dtype=torch.float64) * 3
     z[1] += torch.linspace(0, 400, 300, device=device, dtype=torch.float64)  # a new reference every few tiles
     z[2, -1] = 300.0  # one late outlier
     z[3, 0] = 300.0  # the first tile holds the maximum
     z[4] -= 500.0  # every logit far below 0
     z[5, 40:] -= 100.0  # tiles on both sides of a reference boundary
-    targets = torch.tensor([0, 299, 5, 7, 310, 41], device=device)  # 310: past V, in its last tile
+    # Two tiles one reference apart whose sums both count: rescaling the lower one by 2^-128 in one
+    # factor flushed it to 0 on a GPU (the interpreter keeps subnormals).
+    z[6, 0], z[6, 299] = 45.0, 43.0
+    targets = torch.tensor([0, 299, 5, 7, 310, 41, 299], device=device)  # 310: past V, in its last tile
     # e = z and c = the identity: the GEMM reproduces z exactly.
     e = z.float().contiguous()
     c = torch.eye(300, device=device, dtype=torch.float32)
-    w = torch.empty(6, 300, device=device, dtype=torch.float32)
-    zt = torch.zeros(6, device=device)
+    w = torch.empty(7, 300, device=device, dtype=torch.float32)
+    zt = torch.zeros(7, device=device)
     ref, s, _ = kernels.logits_probs(e, c, None, targets, 0, w, zt, softcap=None, need_zsum=False, config=cfg)
     zf = e.double()
     step = 128 / math.log2(math.e)
@@ -221,43 +232,47 @@ def test_fused_gemm_references_are_exact_powers_of_two(device):
     normal = expect > 1e-30
     bound = 4 * 2.0**-24 * (2 + 1.5 * zf.abs())
     assert bool(((w.double() - expect).abs() <= bound * expect)[normal].all())
-    for row in range(6):
+    for row in range(7):
         assert rel_err(s[row].double(), expect[row].sum()) < 2e-6 * (1 + zf[row].abs().max())
     assert zt.tolist()[:4] == [e[0, 0].item(), e[1, 299].item(), e[2, 5].item(), e[3, 7].item()]
-    assert zt[4].item() == 0.0 and zt[5].item() == e[5, 41].item()
+    assert zt[4].item() == 0.0 and zt[5].item() == e[5, 41].item() and zt[6].item() == 43.0
     # The caller's targets as they come (here int32), c holding vocabulary rows 1000 .. 1299.
-    zt2 = torch.zeros(6, device=device)
+    zt2 = torch.zeros(7, device=device)
     kernels.logits_probs(e, c, None, (targets + 1000).int(), 1000, torch.empty_like(w), zt2, softcap=None,
                          need_zsum=False, config=cfg)
     assert torch.equal(zt2, zt)
 
 
 def test_fused_gemm_stores_alike_with_and_without_the_copy_engine(device):
-    """W goes out through the copy engine when its rows are 16-byte aligned (one_pass pads them),
-    else through the threads' own masked stores: the same bits either way, edges clipped (N and V
-    not multiples of the tiles)."""
+    """W goes out through the copy engine when its rows' starts and lengths are 16-byte aligned
+    (one_pass pads them), else through the threads' own masked stores: the same bits either way,
+    edges clipped (N and V not multiples of the tiles), nothing written past V. (A descriptor of
+    101 fp32 columns stored up to column 104 on an H200.)"""
     from cce_parallel import kernels
     from cce_parallel.kernels import probs_gemm
 
     cfg = kernels.default_config(torch.device(device))
     g = torch.Generator(device).manual_seed(11)
-    n, v, d = 37, 101, 32
+    n, v, d = 37, 100, 32
     e = torch.randn(n, d, device=device, generator=g)
-    c = torch.randn(v, d, device=device, generator=g) * 0.5
+    c = torch.randn(v + 1, d, device=device, generator=g) * 0.5
     targets = torch.randint(0, v, (n,), device=device, generator=g)
     results = []
-    for width in (104, 103):  # row strides of 416 and 412 bytes
+    # Row strides of 416 and 408 bytes; rows of 400 bytes (the copy engine's), then of 404.
+    for width, cols, tma in ((104, v, True), (102, v, False), (104, v + 1, False)):
         buf = torch.full((n, width), -7.0, device=device)
-        out = buf[:, :v]
-        assert probs_gemm._tma_usable(e, c, out) == (width == 104)
+        out = buf[:, :cols]
+        assert probs_gemm._tma_usable(e, c[:cols], out) == tma
         zt = torch.zeros(n, device=device)
-        ref, s, _ = kernels.logits_probs(e, c, None, targets, 0, out, zt, softcap=None, need_zsum=False, config=cfg)
-        assert bool((buf[:, v:] == -7.0).all())  # nothing written past V
+        ref, s, _ = kernels.logits_probs(e, c[:cols], None, targets, 0, out, zt, softcap=None, need_zsum=False,
+                                         config=cfg)
+        assert bool((buf[:, cols:] == -7.0).all())  # nothing written past V
         results.append((out.clone(), ref, s, zt))
-    for got, want in zip(*results):
+    for got, want in zip(results[0], results[1]):
         assert torch.equal(got, want)
     z = e.double() @ c.double().t()
-    assert rel_err(results[0][0].double(), torch.exp(z - results[0][1].double()[:, None])) < 1e-5
+    assert rel_err(results[0][0].double(), torch.exp(z[:, :v] - results[0][1].double()[:, None])) < 1e-5
+    assert rel_err(results[2][0].double(), torch.exp(z - results[2][1].double()[:, None])) < 1e-5
 
 
 @pytest.mark.parametrize("softcap, z_loss, smoothing", [(None, 0.0, 0.0), (30.0, 1e-3, 0.0), (None, 0.0, 0.1)])
@@ -307,6 +322,41 @@ def test_grad_rows_matches_its_pytorch_definition(softcap, z_loss, smoothing, de
     assert rel_err(b.double().cpu(), torch.where(fold, 0.0, b_want)) < 1e-6
     assert torch.allclose(w_got.double().cpu(), w_want_mat, rtol=1e-5, atol=1e-6)
     assert rel_err(we.double().cpu(), e.double() * w_want[:, None]) < 1e-6
+
+
+def test_grad_rows_brings_rows_a_reference_below_the_ranks_up(device):
+    """Under tensor parallelism a rank's reference may lie a whole BUCKET (128 log2 units) below the
+    ranks' largest M: its logits stay under 44 nats while another rank's pass them. The gradient's
+    factor 2^-128 is no fp32 number on a GPU (its exp flushed it to 0, so that the rank's part of
+    the gradient vanished): grad_rows brings such W rows to M by that power of two and makes w =
+    A / S. What counts is w W, the logit gradient's part from W, for every row."""
+    from cce_parallel import kernels
+    from cce_parallel.kernels.probs_gemm import BUCKET
+
+    k, v, d = 8, 300, 16
+    g = torch.Generator().manual_seed(9)
+    z = torch.randn(k, v, generator=g, dtype=torch.float64) * 2 + 30  # W up to ~e^37 < 2^64
+    t = torch.randint(0, v, (k,), generator=g)
+    ref = torch.zeros(k, dtype=torch.float64)
+    up = torch.arange(k) >= k // 2  # another rank's maximum passes 44 nats: M one BUCKET up
+    m = torch.where(up, BUCKET / math.log2(math.e), 0.0)
+    s = torch.exp(z - m[:, None]).sum(dim=1) + torch.where(up, 1.0, 0.5)  # plus the other ranks' part
+    zt = z.gather(1, t[:, None]).squeeze(1)
+    gw = torch.rand(k, generator=g, dtype=torch.float64) + 0.5
+    e = torch.randn(k, d, generator=g)
+    f32 = {"device": device, "dtype": torch.float32}
+    w_mat = torch.exp(z - ref[:, None]).float().to(device)
+    lse, w, b = (torch.empty(k, **f32) for _ in range(3))
+    we = torch.empty(k, d, **f32)
+    kernels.grad_rows(w_mat, ref.float().to(device), m.float().to(device), s.float().to(device),
+                      zt.float().to(device), gw.float().to(device), t.to(device), lse, w, b, e.to(device), we,
+                      softcap=None, z_loss=0.0, label_smoothing=0.0)
+    p_want = gw[:, None] * torch.exp(z - m[:, None]) / s[:, None]  # the gradient's part from W
+    got = w.double().cpu()[:, None] * w_mat.double().cpu()
+    assert rel_err(got[up], p_want[up]) < 1e-5 and rel_err(got[~up], p_want[~up]) < 1e-5
+    assert rel_err(lse.double().cpu(), m + torch.log(s)) < 1e-6
+    assert rel_err(b.double().cpu(), gw) < 1e-6
+    assert rel_err(we.double().cpu(), e.double() * w.double().cpu()[:, None]) < 1e-6
 
 
 def test_fused_gemm_falls_back_to_tiles_that_fit(device, monkeypatch):
@@ -832,8 +882,8 @@ def test_weighted_dc_retries_smaller_tiles_when_shared_memory_runs_out(device, m
     x = inputs(device)
     grad_loss, _ = upstream(x["targets"], "none", False)
     with pytest.warns(UserWarning, match="not one number"):
-        check_against_oracle(linear_cross_entropy, x, {"impl": IMPL, "reduction": "none"}, TIGHT,
-                             grad_loss=grad_loss, label="smaller tiles")
+        _then_flags(lambda: check_against_oracle(linear_cross_entropy, x, {"impl": IMPL, "reduction": "none"},
+                                                 TIGHT, grad_loss=grad_loss, label="smaller tiles"))
     first = module.CUDA_BLOCKS if device.type == "cuda" else module.CPU_BLOCKS
     assert tried == [first, module._smaller(first)]
     assert module._FITTING == {(x["e"].device, x["e"].dtype): module._smaller(first)}

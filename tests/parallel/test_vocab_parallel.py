@@ -94,6 +94,9 @@ class Case:
     targets_on_rank0: bool = False  # every target in rank 0's shard: other shards hold none
     peaked: bool = False  # trained-model-like logits (helpers.peaked_inputs)
     uniform: bool = False  # reduction "none": one upstream number over the kept tokens (mask / count)
+    # A bias of 45 on the vocabulary's first half and 42 on the rest: each row's logits lie on both
+    # sides of the fused GEMM's reference boundary at 44.4 nats, between tiles and between ranks.
+    straddle: bool = False
     options: tuple = ()  # (key, value) pairs of linear_cross_entropy options
 
     @property
@@ -117,6 +120,9 @@ class Case:
             ignore_frac=self.ignore_frac,
             ignore_index=ignore_index,
         )
+        if self.straddle:
+            rows = torch.arange(layout.vocab, device=inputs["bias"].device)
+            inputs["bias"] = torch.where(rows < layout.vocab // 2, 45.0, 42.0) + 0.1 * inputs["bias"]
         if self.targets_on_rank0:
             start, stop = layout.shard(0, world)
             t = inputs["targets"]
@@ -183,6 +189,13 @@ CASES = {
             peaked=True,
             options=(("reduction", "none"), ("return_lse", True), ("logits_budget", "lean")),
         ),
+        Case(
+            "straddle",
+            bias=True,
+            logit_std=0.5,
+            straddle=True,
+            options=(("reduction", "mean"),),
+        ),
         Case("all-ignored-sum", ignore_frac=1.0, options=(("reduction", "sum"), ("return_lse", True))),
         Case("all-ignored-mean", ignore_frac=1.0, bias=True, options=(("reduction", "mean"),)),
         Case(
@@ -193,7 +206,7 @@ CASES = {
         ),
     ]
 }
-CORE = tuple(name for name in CASES if name != "sp-2d-e")
+CORE = tuple(name for name in CASES if name not in ("sp-2d-e", "straddle"))
 
 # impl "torch" (cheap) over the full option grid, as in test_numerics_cpu.test_torch_impl_full_grid.
 GRID = {}
@@ -232,14 +245,14 @@ def _rest(*names):
 # option grid (`torch_only`) with uneven shards, once with and once without sequence parallelism.
 LAYOUTS = {
     1: (
-        Layout("w1-default", V_ODD, None, False, CORE),
+        Layout("w1-default", V_ODD, None, False, CORE + ("straddle",)),
         Layout("w1-explicit-range", V_ODD, ((0, V_ODD),), False, ("everything",)),
         Layout(
             "w1-sp", V_ODD, None, True, ("everything", "peaked-masked-blocks", "sp-2d-e"), _rest("everything")
         ),
     ),
     2: (
-        Layout("w2-default", V_EVEN, None, False, CORE),
+        Layout("w2-default", V_EVEN, None, False, CORE + ("straddle",)),
         Layout("w2-tiny-first-shard", V_ODD, TINY2, False, ("everything", "targets-on-rank0")),
         Layout(
             "w2-swapped-ranges", V_ODD, ((300, V_ODD), (0, 300)), False, ("everything", "targets-on-rank0")
@@ -248,7 +261,7 @@ LAYOUTS = {
         Layout("w2-sp-uneven", V_ODD, TINY2, True, ("everything",), tuple(GRID)),
     ),
     3: (
-        Layout("w3-uneven", V_ODD, UNEVEN3, False, CORE, tuple(GRID)),
+        Layout("w3-uneven", V_ODD, UNEVEN3, False, CORE + ("straddle",), tuple(GRID)),
         Layout("w3-default", V_EVEN, None, False, ("everything", "lse-ignore-in-vocab")),
         Layout("w3-uneven-sp", V_ODD, UNEVEN3, True, SP_CORE),
     ),
