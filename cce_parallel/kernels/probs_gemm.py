@@ -149,8 +149,9 @@ def _down(x, steps):
     """x * 2^(BUCKET * steps) for integer steps <= 0, exactly where the result is an fp32 number: as
     two factors 2^(BUCKET / 2 * steps). One factor of 2^-128 would be subnormal, and the GPU's exp2
     flushes subnormal results to 0: a row's tiles one reference below its largest then vanished
-    (with logits past 44 nats, up to ~10 % of a row's sum on an H200), where the interpreter kept
-    them. The products themselves keep subnormals."""
+    from its sum and its W (logits past 44 nats in some tiles, below in others: on an H200 row sums
+    were 8.7e-4 off in a test, and could lose any share), where the interpreter kept them. The
+    products themselves keep subnormals."""
     half = tl.exp2(steps * (_BUCKET / 2))
     return x * half * half
 
@@ -302,8 +303,8 @@ def _launch(e, c, bias, targets, start, out, zt, dummy, softcap, need_zsum, conf
 def _tma_usable(*tensors) -> bool:
     """The copy engine (Hopper and later, or the interpreter) takes e, c and W when their base
     addresses, row strides and row lengths are multiples of 16 bytes (one_pass pads W's rows so).
-    The row length too: on an H200 (triton 3.6) a descriptor of a row length that is not clipped
-    its stores at the next multiple of 16 bytes, past the tensor's last column."""
+    The row length too: on an H200 (triton 3.6) a descriptor whose row length was not clipped its
+    stores at the next multiple of 16 bytes, past the tensor's last column."""
     if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
         return False
     return all(
@@ -401,8 +402,9 @@ def grad_rows(w_mat, ref, m, s, zt, g, targets, lse, w, b, e=None, we=None, *, s
     ranks' references, S = sum exp(z - M), zt, and the weights g. Writes lse = M + log S, w =
     A exp(ref - M) / S and B' (fp32 [k], A and B' for g, z_loss and label smoothing; a row whose
     ref lies whole BUCKETs below M has its W brought to M first, and ref = M); where the target is
-    in this shard and p >= 1/2, W's target entry becomes exp(z_t - ref) - B' / w and B' = 0. With e [k, D], also we = w e rounded to we's dtype (dC's GEMM operand). One launch:
-    about 20 PyTorch ops per block before, whose host time left the GPU idle on small heads."""
+    in this shard and p >= 1/2, W's target entry becomes exp(z_t - ref) - B' / w and B' = 0. With
+    e [k, D], also we = w e rounded to we's dtype (dC's GEMM operand). One launch: about 20 PyTorch
+    ops per block before, whose host time left the GPU idle on small heads."""
     k, v = w_mat.shape
     for name, t in (("ref", ref), ("m", m), ("s", s), ("zt", zt), ("g", g), ("lse", lse), ("w", w), ("b", b)):
         if t.shape != (k,) or t.dtype != torch.float32 or t.stride(0) != 1:
