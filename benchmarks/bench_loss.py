@@ -505,6 +505,25 @@ def _case_header(cs: dict) -> str:
     return " · ".join(bits)
 
 
+def over_base_paired(cs: dict, meta: dict) -> list[tuple[str, str, float]]:
+    """(method, its base method, ratio) for every method with an upstream variant (`.../masked`)
+    whose base (the same method with the plain mean) ran in the same rounds: the median over the
+    rounds of the round's fwd+bwd median over the base's (C.paired_ratio), from the stored call
+    times, so that older reports render it too. Criterion: Megatron's mask within 5 % of the mean."""
+    sizes = C.round_sizes(meta.get("repeats") or 0, meta.get("rounds") or 1)
+    out = []
+    for key, r in cs["methods"].items():
+        base = key.rsplit("/", 1)[0]
+        if "/" not in key or base not in cs["methods"]:
+            continue
+        times = (r.get("fwd_bwd") or {}).get("times_ms")
+        ref = (cs["methods"][base].get("fwd_bwd") or {}).get("times_ms")
+        ratio = C.paired_ratio(times, ref, sizes) if times and ref else None
+        if ratio is not None:
+            out.append((key, base, ratio))
+    return out
+
+
 def render_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
@@ -595,6 +614,11 @@ def render_markdown(data: dict) -> str:
                 + " |"
             )
         lines.append("")
+        paired = over_base_paired(cs, meta)
+        for key, base, ratio in paired:
+            lines.append(f"- fwd+bwd of `{key}` over `{base}`'s, paired: {ratio:.3f}")
+        if paired:
+            lines.append("")
 
     sweep = [cs for cs in data["cases"] if cs["kind"] == "sweep"]
     if sweep:

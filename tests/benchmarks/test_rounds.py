@@ -72,3 +72,24 @@ def test_paired_ratio_is_the_median_over_rounds_of_the_rounds_median_ratios():
     assert abs(C.paired_ratio(noisy, ref, sizes) - want) < 1e-12
     assert C.paired_ratio(times[:-1], ref, sizes) is None
     assert C.paired_ratio(times, ref[:-1], sizes) is None
+
+
+def test_reports_give_each_upstream_variant_over_its_plain_mean_paired():
+    """The loss report states `ours:x/masked` over `ours:x` per round (criterion: Megatron's mask
+    within 5 % of the mean), from the stored call times, so that older JSONs render it too."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_loss as B
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    mean = [10.0, 10.0, 11.0, 20.0, 20.0, 22.0]  # 2 rounds of 3 calls: a slower second round
+    masked = [10.5, 10.5, 10.0, 21.0, 21.0, 25.0]
+    meta = {"repeats": 6, "rounds": 2}
+    cs = {"methods": {
+        "compile": {"fwd_bwd": {"times_ms": mean}},
+        "ours:x": {"fwd_bwd": {"times_ms": mean}},
+        "ours:x/masked": {"fwd_bwd": {"times_ms": masked}},
+        "ours:y/masked": {"fwd_bwd": {"times_ms": masked}},  # no plain ours:y: nothing to pair with
+        "ours:x/weighted": {"fwd_bwd": {"times_ms": masked[:-1]}},  # a call short: no paired ratio
+    }}
+    assert B.over_base_paired(cs, meta) == [("ours:x/masked", "ours:x", 1.05)]
