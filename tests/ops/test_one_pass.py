@@ -258,8 +258,9 @@ def test_fused_gemm_stores_alike_with_and_without_the_copy_engine(device):
     c = torch.randn(v + 1, d, device=device, generator=g) * 0.5
     targets = torch.randint(0, v, (n,), device=device, generator=g)
     results = []
+    copy_engine = device.type == "cpu" or torch.cuda.get_device_capability(device) >= (9, 0)  # Hopper on
     # Row strides of 416 and 408 bytes; rows of 400 bytes (the copy engine's), then of 404.
-    for width, cols, tma in ((104, v, True), (102, v, False), (104, v + 1, False)):
+    for width, cols, tma in ((104, v, copy_engine), (102, v, False), (104, v + 1, False)):
         buf = torch.full((n, width), -7.0, device=device)
         out = buf[:, :cols]
         assert probs_gemm._tma_usable(e, c[:cols], out) == tma
