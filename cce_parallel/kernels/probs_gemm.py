@@ -156,6 +156,17 @@ def _down(x, steps):
     return x * half * half
 
 
+@triton.jit
+def _down_rows(W_ptr, rows, low, steps, c0, c1, stride_w, BLOCK: tl.constexpr):
+    """W[rows, c0:c1] = _down(W, steps) in place where low (steps [R] <= 0), BLOCK columns a step."""
+    for v0 in range(c0, c1, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK).to(tl.int64)
+        wm = low[:, None] & (cols < c1)[None, :]
+        ptrs = W_ptr + rows[:, None] * stride_w + cols[None, :]
+        x = tl.load(ptrs, mask=wm, other=0.0).to(tl.float32)
+        tl.store(ptrs, _down(x, steps[:, None]).to(W_ptr.dtype.element_ty), mask=wm)
+
+
 # Not specialized on its sizes: with N, V, T and the row stride all multiples of 16 (a tiny Megatron
 # GPT's bf16 loss) triton 3.6 failed to compile it (TritonGPUOptimizeThreadLocality).
 @triton.jit(do_not_specialize=["N", "V", "T"])
@@ -201,12 +212,8 @@ def _rows_kernel(
                 kj = tl.load(K_ptr + rows * T + tj, mask=mask_r, other=_EMPTY)
                 low = mask_r & (kj > _EMPTY) & (kj < kmax)
                 if tl.max(low.to(tl.int32), axis=0) > 0:
-                    cols = tl.arange(0, TILE_V).to(tl.int64) + tj * TILE_V
-                    wm = low[:, None] & (cols < V)[None, :]
-                    ptrs = W_ptr + rows[:, None] * stride_w + cols[None, :]
-                    w = tl.load(ptrs, mask=wm, other=0.0).to(tl.float32)
-                    w = _down(w, (kj - kmax)[:, None])
-                    tl.store(ptrs, w.to(W_ptr.dtype.element_ty), mask=wm)
+                    _down_rows(W_ptr, rows, low, kj - kmax, tj * TILE_V, tl.minimum(tj * TILE_V + TILE_V, V),
+                               stride_w, TILE_V)
     ref = tl.where(kmax > _EMPTY, kmax * (_BUCKET / LOG2E), float("-inf"))
     tl.store(Ref_ptr + rows, ref, mask=mask_r)
     tl.store(Sum_ptr + rows, s, mask=mask_r)
@@ -360,12 +367,7 @@ def _grad_rows_kernel(
     steps = tl.where(mask_r & (ref > float("-inf")), tl.floor((ref - m) * (LOG2E / _BUCKET) + 0.5), 0.0)
     low = steps < 0.0
     if tl.max(low.to(tl.int32), axis=0) > 0:  # rare: a row's logits far past 44 nats on one rank
-        for v0 in range(0, V, BLOCK_D):
-            cols = v0 + tl.arange(0, BLOCK_D)
-            wm = low[:, None] & (cols < V)[None, :]
-            ptrs = W_ptr + rows[:, None] * stride_w + cols[None, :]
-            x = tl.load(ptrs, mask=wm, other=0.0).to(tl.float32)
-            tl.store(ptrs, _down(x, steps[:, None]).to(W_ptr.dtype.element_ty), mask=wm)
+        _down_rows(W_ptr, rows, low, steps, 0, V, stride_w, BLOCK_D)
         ref = tl.where(low, m, ref)
     a = tl.where(z_loss != 0.0, g * (1.0 + 2.0 * z_loss * lse), g)
     w = a * (tl.exp(ref - m) / s)
