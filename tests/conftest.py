@@ -16,7 +16,7 @@ if os.environ.get("CCE_TEST_GPU") != "1":
 import pytest
 import torch
 
-from tests.helpers import gpu_run
+from tests.helpers import fresh_backward_state, gpu_run
 
 _MARKS = {
     "gpu": "needs a CUDA GPU (skipped without one)",
@@ -46,13 +46,10 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _fresh_per_token_state(monkeypatch):
-    """Each test starts as a fresh process: no per-token weights seen (ops/autograd.py), so a test's
-    reduction "none" calls take the path their options ask for."""
-    from cce_parallel.ops import autograd
-
-    monkeypatch.setattr(autograd, "per_token_weights_seen", False)
-    monkeypatch.setattr(autograd, "_weight_flags", [])
+def _fresh_backward_state(monkeypatch):
+    """Each test starts as a fresh process: nothing learned from earlier backwards (ops/autograd.py:
+    no per-token weights seen, loss scale 1), so a test's calls take the path their options ask for."""
+    fresh_backward_state(monkeypatch)
 
 
 @pytest.fixture

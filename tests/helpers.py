@@ -207,3 +207,15 @@ def check_against_oracle(
     errs = errors(out, ref)
     assert_errors_below(errs, tol, label)
     return errs
+
+
+def fresh_backward_state(monkeypatch):
+    """As in a fresh process: nothing learned from earlier backwards (ops/autograd.py: no per-token
+    weights seen, loss scale 1, no reports waiting for the host)."""
+    from cce_parallel.ops import autograd
+
+    monkeypatch.setattr(autograd, "per_token_weights_seen", False)
+    monkeypatch.setattr(autograd, "loss_scale", 1.0)
+    monkeypatch.setattr(autograd, "loss_scale_unsteady", False)
+    monkeypatch.setattr(autograd, "_last_miss", None)
+    monkeypatch.setattr(autograd, "_reports", [])

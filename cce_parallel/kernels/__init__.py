@@ -9,7 +9,7 @@ from cce_parallel.kernels.from_logits import (
     stats_slices,
 )
 from cce_parallel.kernels.probs_gemm import grad_rows, logits_probs
-from cce_parallel.kernels.scaled import scale_, scaled_copy
+from cce_parallel.kernels.scaled import scale_, scaled_copy, snap_ratio
 from cce_parallel.kernels.target_rows import add_rows_summed, fold_rows, scale_sub_rows
 from cce_parallel.kernels.weighted_dc import weighted_dc
 
@@ -26,6 +26,7 @@ __all__ = [
     "scale_",
     "scale_sub_rows",
     "scaled_copy",
+    "snap_ratio",
     "stats_from_logits",
     "stats_slices",
     "weighted_dc",

@@ -47,6 +47,7 @@ count on the host, a sync that leaves the GPU idle while the host prepares the l
 module never imports torch.distributed: parallel/ passes in the collectives.
 """
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -98,6 +99,7 @@ class LossConfig:
     need_de: bool = True
     need_dc: bool = True
     need_db: bool = True
+    loss_scale: float = 1.0  # the one-pass gradients are made for it (a bf16 dC: see loss_scale below)
 
     @property
     def traits(self) -> ImplTraits:
@@ -617,12 +619,46 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
 # ----------------------------------------------------------------------------------------------
 # the Function
 
-# Set once the host learns that a per-token loss's backward got per-token weights: from then on,
+# What the host has learned of earlier backwards' upstream gradients (read_backward_reports):
+#
+# per_token_weights_seen: a per-token loss's backward got per-token weights. From then on,
 # reduction "none" takes the lean path (ops/functional.py), which computes them with no wasted work.
 # Training loops call the loss the same way every step, so only the first call pays for
 # kernels.weighted_dc (and on a GPU the second, already on the one-pass path when the host learns
-# it, for a recompute of dC with library GEMMs: see _watch_weights).
+# it, for a recompute of dC with library GEMMs).
+#
+# loss_scale: the number the one-pass forward makes a bf16 dC for (no fp32 main_grad), times the
+# reduction's own weights: what the caller multiplies the reduced loss by before the backward (1 /
+# micro-batches in Megatron's schedule). The backward scales the stored gradients by the upstream
+# gradient over that; a bf16 dC scaled by a number that is not a power of two would be rounded a
+# second time (worse than plain bf16 PyTorch), so there kernels.weighted_dc recomputes it (exact,
+# slow) and the host learns the number for the next calls. expect_loss_scale sets it beforehand.
+# loss_scale_unsteady: the number changed between two backwards in a row (loss sites with different
+# weights, say): bf16-dC calls take the lean path from then on, exact for any upstream gradient.
 per_token_weights_seen = False
+loss_scale = 1.0
+loss_scale_unsteady = False
+_last_miss: float | None = None  # the learned number when the last report was a miss, else None
+
+# Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (code, ratio), event,
+# the loss_scale its forward used). Codes: 0 the stored gradients served, 1 per-token weights, 2 one
+# number whose ratio to loss_scale is not a power of two (a bf16 dC recomputed).
+_reports: list = []
+_WEIGHTS, _MISS = 1, 2
+# Two learned numbers this close (relative) are one: as kernels.snap_ratio's tolerance.
+_NEAR = 2.0 ** -20
+
+
+def expect_loss_scale(scale: float) -> None:
+    """Tell the loss what the reduced loss will be multiplied by before its backward (for example
+    1 / micro-batches where the loss is divided by their number), so that a bf16 dC computed in
+    the forward is made for it: rounded once, with no recompute at the first backward. Without it
+    the loss learns the number from its backwards. Calls made before and after a resume then
+    compute the same bits (the train job sets it)."""
+    global loss_scale
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale != 0):
+        raise ValueError(f"expect_loss_scale: scale must be a finite nonzero number, got {scale!r}")
+    loss_scale = float(scale)
 
 
 def _warn_fallback():
@@ -636,6 +672,21 @@ def _warn_fallback():
             "Fold loss masks into ignore_index (cce_parallel.megatron.mask_labels) to keep the one-pass speed.",
             stacklevel=4,
         )
+
+
+def _learn_scale(value: float):
+    """A backward's upstream number was `value` (times the reduction's weights), not loss_scale."""
+    global loss_scale, loss_scale_unsteady, _last_miss
+    if _last_miss is not None and abs(value - _last_miss) > _NEAR * abs(_last_miss) and not loss_scale_unsteady:
+        loss_scale_unsteady = True
+        warnings.warn(
+            f"cce_parallel: the loss's upstream gradient changed between backwards ({_last_miss:g}, then "
+            f"{value:g}: loss sites with different weights?). A bf16 dC made in the forward would be rounded twice, "
+            "so calls without an fp32 main_grad take the lean path from now on (exact, slower). One loss scale "
+            "per process (cce_parallel.expect_loss_scale) keeps the one-pass speed.",
+            stacklevel=4,
+        )
+    loss_scale = _last_miss = value
 
 
 def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
@@ -652,33 +703,39 @@ def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
     return ratio, weighted.to(torch.int32).reshape(1)
 
 
-# Per-token-weight flags of backwards on a GPU, not yet read on the host: (pinned copy, event).
-_weight_flags: list = []
-
-
-def _watch_weights(weighted: torch.Tensor):
-    """Warn, and send later reduction="none" calls down the lean path, once the host learns that a
-    backward got per-token weights: at once on a CPU; on a GPU when the next loss's forward has
-    waited for its targets' counts anyway (read_weight_flags), which the stream orders after this
-    flag's copy. Every tensor-parallel rank gets the same upstream gradient, so they all switch at
-    the same call."""
-    if weighted.is_cuda:
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        host.copy_(weighted, non_blocking=True)
+def _report(packed: torch.Tensor, used: float):
+    """Send a backward's report (fp32 [2] = code, ratio; kernels.snap_ratio) to the host: at once on
+    a CPU; on a GPU through a pinned copy that the next call of the loss reads
+    (read_backward_reports). Every tensor-parallel rank gets the same upstream gradient, so they
+    all learn the same at the same call."""
+    if packed.is_cuda:
+        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        _weight_flags.append((host, event))
-    elif weighted.item():
-        _warn_fallback()
+        _reports.append((host, event, used))
+    else:
+        _reports.append((packed, None, used))
+        read_backward_reports()
 
 
-def read_weight_flags():
-    """The flags _watch_weights queued (ops/functional.py calls this after TargetCheck's wait)."""
-    while _weight_flags:
-        host, event = _weight_flags.pop(0)
-        event.synchronize()
-        if host.item():
+def read_backward_reports():
+    """What earlier backwards reported (_report), in their order; ops/functional.py calls this
+    before each call's forward. On a GPU the wait is for a backward queued before this call: its
+    kernels sit far ahead of the work the host has queued since (the rest of that backward, the
+    next forward), so the GPU does not idle while the host waits."""
+    global _last_miss
+    while _reports:
+        host, event, used = _reports.pop(0)
+        if event is not None:
+            event.synchronize()
+        code, ratio = host.tolist()
+        if code == _WEIGHTS:
             _warn_fallback()
+        if code == _MISS:
+            _learn_scale(ratio * used)
+        else:
+            _last_miss = None
 
 
 def _scaled(t, ratio, dtype):
@@ -760,12 +817,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     "supported when the gradients are computed in the forward; use logits_budget='lean' for that"
                 )
             ctx.gave_gradients = True
-            ratio = weighted = None
-            if g.numel() and g.stride(0) == 0:
-                # One number expanded (reduction mean or sum). Nothing kept gives zeros, even where
-                # "mean" made the upstream gradient infinite.
+            ratio = weighted = g_k = None
+            scalar = g.numel() and g.stride(0) == 0  # one number expanded (reduction mean or sum)
+            if scalar:
+                # Nothing kept gives zeros, even where "mean" made the upstream gradient infinite.
                 ratio = torch.where(counts[0] > 0, g[0] / grad_scale, 0.0)
-                de = _scaled(de1, ratio, e_dtype)
             else:
                 # Per token: dE is linear in each token's weight, so its rows scale exactly whatever
                 # the weights are. Ignored tokens' upstream gradients may be anything: they count as 0.
@@ -781,22 +837,32 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     # differ, kernels.weighted_dc recomputes them instead. Both are queued and the
                     # device decides (ignored tokens count as 0): no host sync.
                     ratio, weighted = _weights_over_kept(w, keep)
+            report = None
+            low = dc1 is not None and dc1.dtype != torch.float32
+            if ratio is not None and (weighted is not None or low):
+                # A bf16 dC, rounded in the forward, is exactly scaled only by a power of two; for
+                # anything else the flag makes kernels.weighted_dc recompute it (on the device).
+                ratio, weighted, report = kernels.snap_ratio(ratio, weighted, snap=low)
+            if scalar:
+                de = _scaled(de1, ratio, e_dtype)
             main = ctx.c_main_grad() if dc1 is not None and ctx.c_main_grad is not None else None
             if ratio is not None:
                 db = _scaled(db1, ratio, bias.dtype) if db1 is not None else None
                 if main is not None:
                     main.addcmul_(dc1, ratio)
                 dc = _scaled(dc1, ratio, c.dtype) if main is None else None
-            if ratio is None or weighted is not None:  # per token: dC and dbias may need recomputing
+            if weighted is not None or ratio is None:  # dC and dbias may need recomputing
+                if g_k is None:
+                    g_k = torch.where(keep, g, 0.0)
                 a, b, u = coefficients(g_k, None, lse, cfg)
             if weighted is not None:
                 scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
                 kernels.weighted_dc(weighted, e_all, c, bias, targets, lse, a, b, u, scale,
                                     main if main is not None else dc, db, softcap=cfg.softcap, add_dc=main is not None)
-                _watch_weights(weighted)
+                _report(report, cfg.loss_scale)
             elif ratio is None:
-                # An earlier call's weights were per token (read_weight_flags): so are these, most
-                # likely. dC and dbias recompute with library GEMMs, exact for any weights.
+                # An earlier call's weights were per token (read_backward_reports): so are these,
+                # most likely. dC and dbias recompute with library GEMMs, exact for any weights.
                 dc = db = None
                 if dc1 is not None or db1 is not None:
                     _, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=False)

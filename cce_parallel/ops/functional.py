@@ -262,9 +262,11 @@ def sharded_linear_cross_entropy(
     )
     shard = c.shape[0]
     fused = autograd.fused_one_pass(e.dtype, softcap, label_smoothing)
+    # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/autograd.py.
+    bf16_dc = fused and not label_smoothing and c_main_grad is None and e.dtype != torch.float32
     budget = resolve_logits_budget(
         logits_budget, targets.numel() * max(shard, largest_shard or 0) * (e.element_size() if fused else 4),
-        bf16_dc=fused and not label_smoothing and c_main_grad is None and e.dtype != torch.float32,
+        bf16_dc=bf16_dc,
     )
     vocab = vocab_size if vocab_size is not None else shard
     out_shape = targets.shape
@@ -277,10 +279,14 @@ def sharded_linear_cross_entropy(
     # loss's mean over the kept tokens for reduction "none" too: Megatron's (loss * mask).sum() /
     # mask.sum(), the mask folded into ignore_index, then needs no pass over dC in the backward.
     check = TargetCheck()
+    autograd.read_backward_reports()  # what earlier backwards taught: per-token weights, the loss scale
+    loss_scale = autograd.loss_scale if bf16_dc else 1.0
 
     def prepare():
         prepared = prepare_targets(t2, ignore_index, vocab, vocab_start, shard, reduction != "sum", use_triton)
         check.watch(prepared[2])
+        if loss_scale != 1.0:  # the one-pass gradients are made for the expected upstream number
+            prepared = (*prepared[:3], prepared[3] * loss_scale)
         return prepared
 
     kernel_cfg = None
@@ -300,10 +306,12 @@ def sharded_linear_cross_entropy(
         logits_budget=budget,
         block_vocab=largest_shard or shard,
         one_pass=use_triton and budget > 0 and torch.is_grad_enabled() and any(need)
-        and not (reduction == "none" and autograd.per_token_weights_seen),
+        and not (reduction == "none" and autograd.per_token_weights_seen)
+        and not (bf16_dc and autograd.loss_scale_unsteady),
         need_de=need[0],
         need_dc=need[1],
         need_db=need[2],
+        loss_scale=loss_scale,
     )
     # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
@@ -312,7 +320,6 @@ def sharded_linear_cross_entropy(
         e2.contiguous(), c_k, bias_k, t2, vocab_start, prepare, cfg, comm, sequence_parallel, c_main_grad
     )
     check.raise_if_bad(targets, vocab, ignore_index)
-    autograd.read_weight_flags()  # earlier backwards' per-token-weight flags: arrived by now
     if reduction == "none":
         loss = loss.reshape(out_shape)
     elif reduction == "sum":

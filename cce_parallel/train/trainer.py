@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cce_parallel import expect_loss_scale
 from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
 from cce_parallel.megatron import mask_labels
 from cce_parallel.train import checkpoint, launch
@@ -92,6 +93,11 @@ class Trainer:
         self.params_local, stage_params = count_parameters(model, recipe.parallel.tensor)
         self.params_total = self._total_parameters(stage_params)
         self.engine = build_engine(recipe, model, self.config, device=device, dtype=self.dtype)
+        if recipe.loss.is_cce:
+            # The schedule divides each micro-batch's loss by their number: the one-pass loss makes
+            # a bf16 ∇W for that from the first call (not learned at the first backward), so that a
+            # resumed run computes the same bits as one that never stopped.
+            expect_loss_scale(1.0 / self.layout["accumulation"])
 
         self.step = 0
         self.metrics = MetricsLogger(

@@ -335,6 +335,37 @@ def test_confident_targets_no_worse_than_plain_pytorch(budget):
     assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
 
 
+@pytest.mark.parametrize("primed", [False, True])
+def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(primed):
+    """The loss times 3 (a mean over 3 micro-batches), random data (an untrained model): a bf16 dC
+    made in the forward for 1 and scaled by 3 in the backward is rounded twice, and worse than
+    plain bf16 PyTorch here (checked first, so that the test shows the defect it guards against).
+    Ours: the first backward recomputes dC (kernels.weighted_dc) and the host learns the 3, after
+    which the forward makes dC for it; told beforehand (expect_loss_scale), no recompute at all.
+    Every call's errors are within plain PyTorch's."""
+    from cce_parallel.ops import autograd
+
+    n, v, d = 4096, 32064, 3072
+    inputs = random_inputs((n,), v, d, dtype=BF16, device=torch.device("cuda"))
+    three = torch.tensor(3.0, device="cuda")
+    ref = oracle(**inputs, grad_loss=three, chunk_size=ORACLE_ELEMENTS // v, reduction="mean")
+    plain_errs = errors(plain_torch(**inputs, grad_loss=three, reduction="mean"), ref)
+    options = {"impl": "cce_kahan_full_c"}
+    once = run(linear_cross_entropy, inputs, options)  # upstream 1: dC made for it, rounded once
+    twice = rel_err((once.dc.float() * 3.0).bfloat16(), ref.dc)
+    show("bf16 dC made for 1, then scaled by 3", {"dc": twice}, plain_errs)
+    assert twice > SLACK * plain_errs["dc"]
+    if primed:
+        autograd.expect_loss_scale(3.0)
+    for call in ("first", "second"):
+        errs = errors(run(linear_cross_entropy, inputs, options, three), ref)
+        show(f"upstream 3, {call} call, primed {primed}", errs, plain_errs)
+        bad = worse_than_plain(errs, plain_errs)
+        assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
+        autograd.read_backward_reports()  # as the next call does
+        assert autograd.loss_scale == 3.0
+
+
 @pytest.mark.parametrize("n, v, d", [(1, 1, 16), (1, 128, 32), (37, 300, 48), (64, 4096, 64)])
 def test_one_pass_tiny_shapes(n, v, d):
     """Small shapes compile and agree with float64: one token, a vocabulary of one tile, and every
@@ -386,7 +417,7 @@ def test_no_host_sync_in_a_training_step(budget, upstream_kind):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss) and e.grad[::5].eq(0).all() and e.grad[1::5].ne(0).any()
     if upstream_kind == "weighted":
-        # The first call's flag reached the host during the second's forward: later calls go lean.
+        # The host read the first call's report before the second's forward: that one went lean.
         assert autograd.per_token_weights_seen
         de, dc = e.grad, c.grad
         e.grad = c.grad = None

@@ -29,6 +29,7 @@ from tests.helpers import (
     assert_errors_below,
     check_against_oracle,
     errors,
+    fresh_backward_state,
     random_inputs,
     run,
     upstream,
@@ -173,17 +174,14 @@ def test_matches_oracle(impl, case, budget, device):
 def test_triton_impls_agree(case, device, monkeypatch):
     """Every Triton impl computes the same thing, bit for bit (each call as the first of a process:
     per-token weights would send later reduction "none" calls down the lean path)."""
-    from cce_parallel.ops import autograd
-
     inputs = CASES[case].inputs(device)
     options = CASES[case].options
     grads = upstream(inputs["targets"], options.get("reduction", "mean"), options.get("return_lse"))
     outs = []
     for impl in IMPLS:
         if impl != "torch":
-            # Also no earlier call's flags waiting for the host (a GPU's): each call as the first.
-            monkeypatch.setattr(autograd, "per_token_weights_seen", False)
-            monkeypatch.setattr(autograd, "_weight_flags", [])
+            # Also no earlier call's reports waiting for the host (a GPU's): each call as the first.
+            fresh_backward_state(monkeypatch)
             outs.append(run(linear_cross_entropy, inputs, dict(options, impl=impl), *grads))
     for other in outs[1:]:
         for name, a, b in zip(outs[0]._fields, outs[0], other):

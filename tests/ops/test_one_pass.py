@@ -37,10 +37,10 @@ def lean_calls(monkeypatch):
 
 
 def _then_flags(call):
-    """call(), then read the per-token-weights flags as the next forward would: on a GPU the host
-    learns of per-token weights one call late (autograd.read_weight_flags), on a CPU at once."""
+    """call(), then read the backward's report as the next call would: on a GPU the host learns of
+    per-token weights at the next call (autograd.read_backward_reports), on a CPU at once."""
     call()
-    autograd.read_weight_flags()
+    autograd.read_backward_reports()
 
 
 def inputs(device, **kw):
@@ -118,8 +118,8 @@ def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls
 
 
 def test_weights_known_before_the_backward_recompute_dc_with_the_lean_backward(device, lean_calls, monkeypatch):
-    """On a GPU the host learns of per-token weights one call late (autograd.read_weight_flags): the
-    call whose forward ran on the one-pass path before that, and whose backward runs after, takes
+    """On a GPU the host learns of per-token weights at the next call (autograd.read_backward_reports):
+    a call whose forward ran on the one-pass path before that, and whose backward runs after, takes
     the lean backward for dC and dbias (library GEMMs, exact for any weights) and scales dE."""
     x = inputs(device)
     grad_loss, _ = upstream(x["targets"], "none", False)
@@ -521,23 +521,84 @@ def _torch_fold_rows(out, acc, rows, *, back):
                 acc[i], out[r] = x, 0
 
 
+def _torch_weighted_dc(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, *, softcap, add_dc):
+    """A PyTorch stand-in for kernels.weighted_dc (bf16 inputs; no bias, softcap or smoothing)."""
+    assert bias is None and softcap is None and u is None and db is None
+    if not flag.item():
+        return
+    p = torch.exp(e.float() @ c.float().T - lse[:, None])
+    here = (targets >= 0) & (targets < c.shape[0])
+    dz = a[:, None] * p
+    dz[here.nonzero().squeeze(1), targets[here]] -= b[here]
+    out = (dz.to(e.dtype).float().T @ e.float()) + (dc.float() if add_dc else 0.0)
+    dc.copy_(out.to(dc.dtype))
+
+
+def _bf16_stand_ins(device, monkeypatch):
+    """On CPU, PyTorch stand-ins replace the fused GEMM, the target rows' kernels and weighted_dc,
+    and the lean path runs its PyTorch reference (the interpreter runs Triton in fp32 only); the
+    rest of the one-pass path is the real one."""
+    if device.type == "cpu":
+        import dataclasses
+
+        from cce_parallel import kernels
+        from cce_parallel.ops import functional
+
+        monkeypatch.setattr(kernels, "logits_probs", _torch_logits_probs)
+        monkeypatch.setattr(kernels, "add_rows_summed", _torch_add_rows_summed)
+        monkeypatch.setattr(kernels, "fold_rows", _torch_fold_rows)
+        monkeypatch.setattr(kernels, "weighted_dc", _torch_weighted_dc)
+        monkeypatch.setattr(functional, "_triton_usable", lambda impl, device, dtype: True)
+        lean_backward, local_stats = autograd.lean_backward, autograd.local_stats
+        reference = lambda cfg: dataclasses.replace(cfg, use_triton=False)
+        monkeypatch.setattr(autograd, "lean_backward", lambda *a, **k: lean_backward(*a[:-1], reference(a[-1]), **k))
+        monkeypatch.setattr(autograd, "local_stats", lambda *a: local_stats(*a[:-1], reference(a[-1])))
+
+
+def _frequent_target_case(device):
+    """bf16 e, c, targets: half the tokens share one target, which the model predicts (p ~ 0.5, as
+    for a frequent token of a trained model), so that its GEMM part and target term mostly cancel."""
+    n, v, d = 256, 1000, 64
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(n, d, generator=g).bfloat16()
+    c = (torch.randn(v, d, generator=g) * 0.3).bfloat16()
+    t = torch.randint(0, v, (n,), generator=g)
+    t[: n // 2] = 7
+    t[::7] = -100
+    e[: n // 2] += (1.8 * c[7].float()).bfloat16()
+    return e.to(device), c.to(device), t.to(device)
+
+
+def _spy_weighted_dc(monkeypatch):
+    """Records the flag of each kernels.weighted_dc launch (1: dC recomputed)."""
+    from cce_parallel import kernels
+
+    flags = []
+    real = kernels.weighted_dc
+    monkeypatch.setattr(kernels, "weighted_dc", lambda flag, *a, **k: flags.append(int(flag.item())) or real(flag, *a, **k))
+    return flags
+
+
+def _assert_beats_plain_bf16(e, c, t, de, dc, scale):
+    """dE and dC of scale * mean cross-entropy closer to float64's than plain bf16 PyTorch's."""
+    e64, c64 = e.double().requires_grad_(), c.double().requires_grad_()
+    (torch.nn.functional.cross_entropy(e64 @ c64.T, t) * scale).backward()
+    e16, c16 = e.clone().requires_grad_(), c.clone().requires_grad_()
+    (torch.nn.functional.cross_entropy(e16 @ c16.T, t) * scale).backward()  # plain bf16 PyTorch
+    for ours, plain, want in ((de, e16.grad, e64.grad), (dc, c16.grad, c64.grad)):
+        assert rel_err(ours.double(), want) < min(5e-3, rel_err(plain.double(), want))
+
+
 @pytest.mark.parametrize("blocks, main_grad", [(1, False), (2, False), (3, False), (1, True), (2, True)])
 def test_bf16_dc_is_summed_in_bf16_with_target_rows_in_fp32(blocks, main_grad, device, monkeypatch):
     """bf16: the dC GEMMs write and then add to a bf16 dC (no V x D fp32 sum); the target rows leave
     it before each later block, are summed in fp32 with their target term and rounded into it once.
     Into Megatron's fp32 main_grad dC goes unrounded. Either way its error is below plain bf16
     PyTorch's, also where one target is most of the tokens (as frequent tokens are) and where
-    it cancels most of that row's sum. On CPU, PyTorch stand-ins replace the fused GEMM and the
-    target rows' kernels (the interpreter runs Triton in fp32 only); the rest of the path is the real one."""
+    it cancels most of that row's sum. Stand-ins on CPU (_bf16_stand_ins)."""
     from cce_parallel.ops import functional
 
-    if device.type == "cpu":
-        from cce_parallel import kernels
-
-        monkeypatch.setattr(kernels, "logits_probs", _torch_logits_probs)
-        monkeypatch.setattr(kernels, "add_rows_summed", _torch_add_rows_summed)
-        monkeypatch.setattr(kernels, "fold_rows", _torch_fold_rows)
-        monkeypatch.setattr(functional, "_triton_usable", lambda impl, device, dtype: True)
+    _bf16_stand_ins(device, monkeypatch)
     made = []
     real = autograd.one_pass
 
@@ -547,37 +608,78 @@ def test_bf16_dc_is_summed_in_bf16_with_target_rows_in_fp32(blocks, main_grad, d
         return out
 
     monkeypatch.setattr(autograd, "one_pass", spy)
-    n, v, d = 256, 1000, 64
-    g = torch.Generator().manual_seed(0)
-    e = torch.randn(n, d, generator=g).bfloat16()
-    c = (torch.randn(v, d, generator=g) * 0.3).bfloat16()
-    t = torch.randint(0, v, (n,), generator=g)
-    t[: n // 2] = 7  # half the tokens share one target
-    t[::7] = -100
-    # ... which the model predicts (p ~ 0.5, as for a frequent token of a trained model): its
-    # GEMM part and target term then mostly cancel.
-    e[: n // 2] += (1.8 * c[7].float()).bfloat16()
-    e, c, t = e.to(device), c.to(device), t.to(device)
+    e, c, t = _frequent_target_case(device)
+    v, n = c.shape[0], t.shape[0]
     budget = 2 * v * (n // blocks)  # bf16 W: n / blocks tokens per block
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
     buffer = torch.zeros(c.shape, device=device)
     extra = {"c_main_grad": lambda: buffer} if main_grad else {}
+    flags = _spy_weighted_dc(monkeypatch)
     loss = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, logits_budget=budget, **extra)
-    (loss * 3.0).backward()  # an upstream gradient other than 1
+    (loss * 4.0).backward()  # an upstream gradient other than 1, a power of two: scaled exactly
     assert made == [torch.float32 if main_grad else torch.bfloat16]
+    assert flags == ([] if main_grad else [0])  # an fp32 dC is not checked; a bf16 one not recomputed
     dc = buffer if main_grad else c1.grad
     assert (c1.grad is None) == main_grad and e1.grad.dtype == torch.bfloat16
     assert dc.dtype == (torch.float32 if main_grad else torch.bfloat16)
+    assert rel_err(loss.detach().double(), torch.nn.functional.cross_entropy(e.double() @ c.double().T, t)) < 1e-5
+    _assert_beats_plain_bf16(e, c, t, e1.grad, dc, 4.0)
 
-    e64, c64 = e.double().requires_grad_(), c.double().requires_grad_()
-    ref = torch.nn.functional.cross_entropy(e64 @ c64.T, t) * 3.0
-    ref.backward()
-    e16, c16 = e.clone().requires_grad_(), c.clone().requires_grad_()
-    (torch.nn.functional.cross_entropy(e16 @ c16.T, t) * 3.0).backward()  # plain bf16 PyTorch
-    assert rel_err(loss.double() * 3.0, ref) < 1e-5
-    for ours, plain, want in ((e1.grad, e16.grad, e64.grad), (dc, c16.grad, c64.grad)):
-        assert rel_err(ours.double(), want) < min(5e-3, rel_err(plain.double(), want))
 
+@pytest.mark.parametrize("blocks, reduction, primed", [(1, "mean", False), (2, "mean", False),
+                                                       (1, "masked", False), (2, "masked", True)])
+def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, primed, device, monkeypatch):
+    """A bf16 dC made in the forward and then scaled by a number that is not a power of two (here
+    the loss times 3, as for 3 micro-batches) would be rounded twice: worse than plain bf16
+    PyTorch (measured on an H100, README "Accuracy"). The first backward recomputes it
+    (kernels.weighted_dc, flagged on the device) and the host learns the number; the next forward
+    makes dC for it, and its backward moves nothing. A power of two scales exactly. Told the number
+    beforehand (expect_loss_scale), the first backward moves nothing either."""
+    from cce_parallel.ops import functional
+
+    _bf16_stand_ins(device, monkeypatch)
+    flags = _spy_weighted_dc(monkeypatch)
+    e, c, t = _frequent_target_case(device)
+    budget = 2 * c.shape[0] * (t.shape[0] // blocks)
+    if primed:
+        autograd.expect_loss_scale(3.0)
+    for scale, flag in ((3.0, 0 if primed else 1), (3.0, 0), (6.0, 0), (3.0, 0)):
+        e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
+        if reduction == "mean":
+            loss = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, logits_budget=budget)
+        else:  # Megatron's loss_mask / count with the mask folded into ignore_index
+            per_token = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, logits_budget=budget,
+                                                                reduction="none")
+            loss = per_token.sum() / (t != -100).sum()
+        (loss * scale).backward()
+        _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, scale)
+        assert flags[-1] == flag, (scale, flags)
+        autograd.read_backward_reports()  # as the next call does (a CPU's backward has already)
+        assert autograd.loss_scale == 3.0 and not autograd.loss_scale_unsteady
+
+
+def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, lean_calls):
+    """Two loss sites with different weights (3, then 5, ...): each backward would recompute dC.
+    After two different numbers in a row, bf16-dC calls take the lean path (with a warning)."""
+    from cce_parallel.ops import functional
+
+    _bf16_stand_ins(device, monkeypatch)
+    flags = _spy_weighted_dc(monkeypatch)
+    e, c, t = _frequent_target_case(device)
+    with warnings.catch_warnings(record=True) as caught:  # learned at the 2nd call (CPU) or 3rd (GPU)
+        warnings.simplefilter("always")
+        for scale in (3.0, 5.0, 3.0):
+            e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
+            (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * scale).backward()
+            _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, scale)
+    assert [str(w.message) for w in caught if "changed between backwards" in str(w.message)]
+    assert flags == [1, 1] and lean_calls == [True] and autograd.loss_scale_unsteady
+
+
+@pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf"), True, "1"])
+def test_expect_loss_scale_rejects_what_is_not_a_finite_nonzero_number(scale):
+    with pytest.raises(ValueError, match="finite nonzero number"):
+        autograd.expect_loss_scale(scale)
 
 
 @pytest.mark.parametrize("blocks", [1, 2])
@@ -586,16 +688,10 @@ def test_confident_targets_are_no_worse_than_plain_pytorch(blocks, device, monke
     gradient's target entry p - 1 is small beside p: W must not be rounded before the -1 is
     added, or dE and dC lose up to p / (1 - p) times bf16's precision there (they were 1.2x and
     2.5x plain PyTorch's error on an H100 before the target term went into W for such tokens).
-    Stand-ins as in the test above on CPU."""
+    Stand-ins on CPU (_bf16_stand_ins)."""
     from cce_parallel.ops import functional
 
-    if device.type == "cpu":
-        from cce_parallel import kernels
-
-        monkeypatch.setattr(kernels, "logits_probs", _torch_logits_probs)
-        monkeypatch.setattr(kernels, "add_rows_summed", _torch_add_rows_summed)
-        monkeypatch.setattr(kernels, "fold_rows", _torch_fold_rows)
-        monkeypatch.setattr(functional, "_triton_usable", lambda impl, device, dtype: True)
+    _bf16_stand_ins(device, monkeypatch)
     n, v, d = 512, 1000, 64
     g = torch.Generator().manual_seed(3)
     c = (torch.randn(v, d, generator=g) * 0.3).double()
@@ -825,6 +921,34 @@ def test_no_tokens(reduction, budget, device):
     assert loss.shape == want.shape and torch.equal(loss.detach().cpu().isnan(), want.isnan())
     loss.backward(torch.ones_like(loss))
     assert e.grad.shape == (0, D) and torch.count_nonzero(c.grad) == 0
+
+
+def test_snap_ratio(device):
+    """kernels.snap_ratio: a number within 8 ulps of a power of two becomes it (the fp32 quotients of
+    a forward's and a backward's scale differ by an ulp or two), any other normal number is off
+    (a bf16 dC must be recomputed); 0, subnormals, inf and NaN pass as they are and are not off.
+    snap=False passes the number and flags only per-token weights."""
+    from cce_parallel import kernels
+
+    one_ulp = 2.0**-23
+    cases = [  # ratio, snapped, off
+        (1.0, 1.0, 0), (1 + one_ulp, 1.0, 0), (1 - one_ulp / 2, 1.0, 0), (2 - 8 * one_ulp, 2.0, 0),
+        (-(2.0**-20) * (1 + 8 * one_ulp), -(2.0**-20), 0), (1 + 9 * one_ulp, 1 + 9 * one_ulp, 1),
+        (3.0, 3.0, 1), (-0.37, -0.37, 1), (0.0, 0.0, 0), (1e-40, 1e-40, 0), (float("inf"), float("inf"), 0),
+    ]
+    for ratio, want, off in cases:
+        r = torch.tensor(ratio, device=device)
+        for weighted in (None, torch.tensor([1], device=device, dtype=torch.int32)):
+            out, flag, report = kernels.snap_ratio(r, weighted)
+            w = 0 if weighted is None else 1
+            assert out.item() == torch.tensor(want).item() and flag.tolist() == [w | off], (ratio, weighted)
+            assert report.tolist() == [w + 2 * off, out.item()]
+        out, flag, report = kernels.snap_ratio(r, None, snap=False)
+        assert out.item() == r.item() and flag.tolist() == [0] and report.tolist() == [0.0, r.item()]
+    out, flag, _ = kernels.snap_ratio(torch.tensor(float("nan"), device=device))
+    assert out.isnan().item() and flag.tolist() == [0]
+    with pytest.raises(ValueError, match="one-element fp32"):
+        kernels.snap_ratio(torch.ones(2, device=device))
 
 
 @pytest.mark.parametrize("add", [False, True])
