@@ -632,7 +632,8 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
 # micro-batches in Megatron's schedule). The backward scales the stored gradients by the upstream
 # gradient over that; a bf16 dC scaled by a number that is not a power of two would be rounded a
 # second time (worse than plain bf16 PyTorch), so there kernels.weighted_dc recomputes it (exact,
-# slow) and the host learns the number for the next calls. expect_loss_scale sets it beforehand.
+# slow) and the host learns the number for later calls (on a GPU from the second call after).
+# expect_loss_scale sets it beforehand.
 # loss_scale_unsteady: the number changed between two backwards in a row (loss sites with different
 # weights, say): bf16-dC calls take the lean path from then on, exact for any upstream gradient.
 per_token_weights_seen = False
@@ -705,7 +706,7 @@ def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
 
 def _report(packed: torch.Tensor, used: float):
     """Send a backward's report (fp32 [2] = code, ratio; kernels.snap_ratio) to the host: at once on
-    a CPU; on a GPU through a pinned copy that the next call of the loss reads
+    a CPU; on a GPU through a pinned copy that the next call of the loss reads after its forward
     (read_backward_reports). Every tensor-parallel rank gets the same upstream gradient, so they
     all learn the same at the same call."""
     if packed.is_cuda:
@@ -721,9 +722,8 @@ def _report(packed: torch.Tensor, used: float):
 
 def read_backward_reports():
     """What earlier backwards reported (_report), in their order; ops/functional.py calls this
-    before each call's forward. On a GPU the wait is for a backward queued before this call: its
-    kernels sit far ahead of the work the host has queued since (the rest of that backward, the
-    next forward), so the GPU does not idle while the host waits."""
+    after each call's forward has waited for its targets' counts, which the stream orders after
+    the earlier backwards' reports: on a GPU the host learns a backward's report one call late."""
     global _last_miss
     while _reports:
         host, event, used = _reports.pop(0)

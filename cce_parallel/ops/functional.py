@@ -279,7 +279,6 @@ def sharded_linear_cross_entropy(
     # loss's mean over the kept tokens for reduction "none" too: Megatron's (loss * mask).sum() /
     # mask.sum(), the mask folded into ignore_index, then needs no pass over dC in the backward.
     check = TargetCheck()
-    autograd.read_backward_reports()  # what earlier backwards taught: per-token weights, the loss scale
     loss_scale = autograd.loss_scale if bf16_dc else 1.0
 
     def prepare():
@@ -320,6 +319,10 @@ def sharded_linear_cross_entropy(
         e2.contiguous(), c_k, bias_k, t2, vocab_start, prepare, cfg, comm, sequence_parallel, c_main_grad
     )
     check.raise_if_bad(targets, vocab, ignore_index)
+    # Earlier backwards' reports (per-token weights, the loss scale), for the calls after this one:
+    # queued before this call's targets, they have arrived by now. Waiting for them before the
+    # forward instead would let the GPU drain between back-to-back calls (Phi 3.5 mini: +6 %).
+    autograd.read_backward_reports()
     if reduction == "none":
         loss = loss.reshape(out_shape)
     elif reduction == "sum":

@@ -417,7 +417,7 @@ def test_no_host_sync_in_a_training_step(budget, upstream_kind):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss) and e.grad[::5].eq(0).all() and e.grad[1::5].ne(0).any()
     if upstream_kind == "weighted":
-        # The host read the first call's report before the second's forward: that one went lean.
+        # The first call's report reached the host during the second's forward: later calls go lean.
         assert autograd.per_token_weights_seen
         de, dc = e.grad, c.grad
         e.grad = c.grad = None

@@ -643,7 +643,8 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
     budget = 2 * c.shape[0] * (t.shape[0] // blocks)
     if primed:
         autograd.expect_loss_scale(3.0)
-    for scale, flag in ((3.0, 0 if primed else 1), (3.0, 0), (6.0, 0), (3.0, 0)):
+    late = device.type == "cuda"  # a GPU's host learns the number one call late
+    for scale, flag in ((3.0, 0 if primed else 1), (3.0, int(late and not primed)), (6.0, 0), (3.0, 0)):
         e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
         if reduction == "mean":
             loss = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, logits_budget=budget)
@@ -660,7 +661,8 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
 
 def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, lean_calls):
     """Two loss sites with different weights (3, then 5, ...): each backward would recompute dC.
-    After two different numbers in a row, bf16-dC calls take the lean path (with a warning)."""
+    After two different numbers in a row, bf16-dC calls take the lean path (with a warning): from
+    the third call on a CPU, the fourth on a GPU (whose host learns one call late)."""
     from cce_parallel.ops import functional
 
     _bf16_stand_ins(device, monkeypatch)
@@ -668,12 +670,16 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
     e, c, t = _frequent_target_case(device)
     with warnings.catch_warnings(record=True) as caught:  # learned at the 2nd call (CPU) or 3rd (GPU)
         warnings.simplefilter("always")
-        for scale in (3.0, 5.0, 3.0):
+        for scale in (3.0, 5.0, 3.0, 5.0):
             e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
             (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * scale).backward()
             _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, scale)
     assert [str(w.message) for w in caught if "changed between backwards" in str(w.message)]
-    assert flags == [1, 1] and lean_calls == [True] and autograd.loss_scale_unsteady
+    assert autograd.loss_scale_unsteady
+    if device.type == "cuda":
+        assert flags == [1, 1, 0] and lean_calls == [True]
+    else:
+        assert flags == [1, 1] and lean_calls == [True, True]
 
 
 @pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf"), True, "1"])
