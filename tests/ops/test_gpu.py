@@ -362,7 +362,7 @@ def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(primed):
         show(f"upstream 3, {call} call, primed {primed}", errs, plain_errs)
         bad = worse_than_plain(errs, plain_errs)
         assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
-        autograd.read_backward_reports()  # as the next call does
+        autograd.read_backward_reports()  # now, not after the next forward
         assert autograd.loss_scale == 3.0
 
 
