@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 
 from cce_parallel import expect_loss_scale
 from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
+from cce_parallel.ops import autograd
 from cce_parallel.megatron import mask_labels
 from cce_parallel.train import checkpoint, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
@@ -179,6 +180,7 @@ class Trainer:
             flops_per_token=flops_per_token(self.recipe, self.vocab_size), peak_tflops=self.peak_tflops,
             torch=torch.__version__, megatron_core=megatron.core.__version__, python=sys.version.split()[0],
             commit=commit, host=socket.gethostname(), time=time.time(),
+            loss_scale=autograd.loss_scale,  # what a bf16 ∇W made in the loss's forward is made for
         )
         r = self.recipe
         self.metrics.print(
