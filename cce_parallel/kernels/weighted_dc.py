@@ -1,4 +1,5 @@
-"""dC and dbias recomputed for per-token weights, or nothing at all, as a flag on the device says.
+"""dC and dbias recomputed for per-token weights (or, for a bf16 dC, an upstream number other than the
+one it was made for, not a power of two away), or nothing at all, as a flag on the device says.
 
 The one-pass path computes dC and dbias in the forward for one weight per kept token. When the
 backward gets a per-token upstream gradient, whether it is that one number (Megatron's loss_mask /

@@ -25,6 +25,10 @@ Speed: the loss computes its gradients in the forward and scales them in the bac
 upstream gradient is one number over the kept tokens. Megatron's loss_func multiplies the per-token
 loss by ``loss_mask`` and divides by a count: fold the mask into the labels first
 (``mask_labels(labels, loss_mask)``; the train job does), else the backward recomputes ∇weight.
+Without gradient-accumulation fusion a bf16 ∇weight is made in the forward for the number the loss
+is scaled by; Megatron's schedule divides it by the number of micro-batches, so call
+``cce_parallel.expect_loss_scale(1 / num_microbatches)`` once (the train job does), or the first
+backward recomputes ∇weight.
 """
 
 import contextlib

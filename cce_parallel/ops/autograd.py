@@ -20,8 +20,11 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   dE_b = G C and dC += G^T E_b. That is three logit-sized GEMMs in all, the fewest an exact method
   needs. The backward only scales these by the upstream gradient g / grad_scale, which is exact
   when g is one number over the kept tokens (reduction mean or sum, or Megatron's loss_mask /
-  count with the mask folded into ignore_index, where the ratio is 1 and nothing moves). dE,
-  linear in g per token, scales per row whatever g is. Whether a per-token g is one number over
+  count with the mask folded into ignore_index, where the ratio is 1 and nothing moves), except
+  for a bf16 dC, rounded once already: a ratio that is not a power of two has it recomputed
+  (kernels.snap_ratio decides on the device, kernels.weighted_dc recomputes), and the forwards
+  after make it for that number (loss_scale below). dE, linear in g per token, scales per row
+  whatever g is. Whether a per-token g is one number over
   the kept tokens is decided on the device, without a host sync: otherwise kernels.weighted_dc
   recomputes dC and dbias (exact), and once the host learns of it (a call later, on a GPU) later
   per-token calls take the lean path. A gradient through the returned lse recomputes all.
@@ -761,8 +764,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     caller's, flat and contiguous; prepare(): the targets' pass (ops/functional.py), returning
     (each token's row of c or -1 where another rank holds it or it is ignored, keep [n] bool: the
     tokens that count, counts, grad_scale: fp32 [], 1 / kept for reductions "mean" and "none", 1
-    for "sum"). The one-pass gradients are those of grad_scale * the kept tokens' loss, so that the
-    usual upstream gradient, a mean's or Megatron's loss_mask / count, leaves nothing to rescale.
+    for "sum", times cfg.loss_scale). The one-pass gradients are those of grad_scale * the kept
+    tokens' loss, so that the usual upstream gradient, a mean's or Megatron's loss_mask / count
+    (times the expected loss scale), leaves nothing to rescale.
     Ignored tokens go through the kernels with zero weight: no host sync decides which tokens
     count. c_main_grad: None, or a callable returning a buffer shaped like c into which the
     backward adds dC (Megatron's gradient-accumulation fusion); c then gets no gradient from the
