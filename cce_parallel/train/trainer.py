@@ -22,8 +22,8 @@ from megatron.core import parallel_state
 
 from cce_parallel import expect_loss_scale
 from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
-from cce_parallel.ops import autograd
 from cce_parallel.megatron import mask_labels
+from cce_parallel.ops import autograd
 from cce_parallel.train import checkpoint, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine
