@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from cce_parallel import expect_loss_scale
 from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
 from cce_parallel.megatron import mask_labels
 from cce_parallel.ops import autograd
@@ -98,7 +97,7 @@ class Trainer:
             # The schedule divides each micro-batch's loss by their number: the one-pass loss makes
             # a bf16 ∇W for that from the first call (not learned at the first backward), so that a
             # resumed run computes the same bits as one that never stopped.
-            expect_loss_scale(1.0 / self.layout["accumulation"])
+            autograd.expect_loss_scale(1.0 / self.layout["accumulation"])
 
         self.step = 0
         self.metrics = MetricsLogger(
