@@ -38,7 +38,7 @@ def lean_calls(monkeypatch):
 
 def _then_flags(call):
     """call(), then read the backward's report as the next call would: on a GPU the host learns of
-    per-token weights at the next call (autograd.read_backward_reports), on a CPU at once."""
+    per-token weights after the next call's forward (autograd.read_backward_reports), on a CPU at once."""
     call()
     autograd.read_backward_reports()
 
@@ -118,8 +118,8 @@ def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls
 
 
 def test_weights_known_before_the_backward_recompute_dc_with_the_lean_backward(device, lean_calls, monkeypatch):
-    """On a GPU the host learns of per-token weights at the next call (autograd.read_backward_reports):
-    a call whose forward ran on the one-pass path before that, and whose backward runs after, takes
+    """On a GPU the host learns of per-token weights after the next call's forward
+    (autograd.read_backward_reports): that call, whose forward ran on the one-pass path, takes
     the lean backward for dC and dbias (library GEMMs, exact for any weights) and scales dE."""
     x = inputs(device)
     grad_loss, _ = upstream(x["targets"], "none", False)
