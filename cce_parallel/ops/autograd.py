@@ -53,6 +53,7 @@ module never imports torch.distributed: parallel/ passes in the collectives.
 import math
 import warnings
 from dataclasses import dataclass
+from numbers import Real
 from typing import Callable, Optional
 
 import torch
@@ -660,7 +661,7 @@ def expect_loss_scale(scale: float) -> None:
     the loss learns the number from its backwards. Calls made before and after a resume then
     compute the same bits (the train job sets it)."""
     global loss_scale
-    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale != 0):
+    if not (isinstance(scale, Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale != 0):
         raise ValueError(f"expect_loss_scale: scale must be a finite nonzero number, got {scale!r}")
     loss_scale = float(scale)
 

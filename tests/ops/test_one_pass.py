@@ -712,10 +712,18 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
         assert flags == [1, 1] and lean_calls == [True, True]
 
 
-@pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf"), True, "1"])
+@pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf"), True, "1", torch.tensor(0.5)])
 def test_expect_loss_scale_rejects_what_is_not_a_finite_nonzero_number(scale):
     with pytest.raises(ValueError, match="finite nonzero number"):
         autograd.expect_loss_scale(scale)
+
+
+def test_expect_loss_scale_takes_any_real_number():
+    import numpy as np
+
+    for scale, want in ((np.float32(0.25), 0.25), (3, 3.0), (-0.5, -0.5)):
+        autograd.expect_loss_scale(scale)
+        assert autograd.loss_scale == want and type(autograd.loss_scale) is float
 
 
 @pytest.mark.parametrize("blocks", [1, 2])
