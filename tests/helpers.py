@@ -217,5 +217,5 @@ def fresh_backward_state(monkeypatch):
     monkeypatch.setattr(autograd, "per_token_weights_seen", False)
     monkeypatch.setattr(autograd, "loss_scale", 1.0)
     monkeypatch.setattr(autograd, "loss_scale_unsteady", False)
-    monkeypatch.setattr(autograd, "_last_miss", None)
+    monkeypatch.setattr(autograd, "_last_missed", False)
     monkeypatch.setattr(autograd, "_reports", [])

@@ -9,11 +9,12 @@ from cce_parallel.kernels.from_logits import (
     stats_slices,
 )
 from cce_parallel.kernels.probs_gemm import grad_rows, logits_probs
-from cce_parallel.kernels.scaled import scale_, scaled_copy, snap_ratio
+from cce_parallel.kernels.scaled import SNAP_ULPS, scale_, scaled_copy, snap_ratio
 from cce_parallel.kernels.target_rows import add_rows_summed, fold_rows, scale_sub_rows
 from cce_parallel.kernels.weighted_dc import weighted_dc
 
 __all__ = [
+    "SNAP_ULPS",
     "KernelConfig",
     "add_rows_summed",
     "default_config",

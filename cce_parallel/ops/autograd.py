@@ -643,15 +643,13 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
 per_token_weights_seen = False
 loss_scale = 1.0
 loss_scale_unsteady = False
-_last_miss: float | None = None  # the learned number when the last report was a miss, else None
+_last_missed = False  # the last report was a miss (loss_scale is the number it brought)
 
 # Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (code, ratio), event,
 # the loss_scale its forward used). Codes: 0 the stored gradients served, 1 per-token weights, 2 one
 # number whose ratio to loss_scale is not a power of two (a bf16 dC recomputed).
 _reports: list = []
 _WEIGHTS, _MISS = 1, 2
-# Two learned numbers this close (relative) are one: as kernels.snap_ratio's tolerance.
-_NEAR = 2.0 ** -20
 
 
 def expect_loss_scale(scale: float) -> None:
@@ -681,17 +679,20 @@ def _warn_fallback():
 
 def _learn_scale(value: float):
     """A backward's upstream number was `value` (times the reduction's weights), not loss_scale."""
-    global loss_scale, loss_scale_unsteady, _last_miss
-    if _last_miss is not None and abs(value - _last_miss) > _NEAR * abs(_last_miss) and not loss_scale_unsteady:
+    from cce_parallel import kernels
+
+    global loss_scale, loss_scale_unsteady, _last_missed
+    near = kernels.SNAP_ULPS * 2.0**-23 * abs(loss_scale)  # two numbers this close are one, as in snap_ratio
+    if _last_missed and abs(value - loss_scale) > near and not loss_scale_unsteady:
         loss_scale_unsteady = True
         warnings.warn(
-            f"cce_parallel: the loss's upstream gradient changed between backwards ({_last_miss:g}, then "
+            f"cce_parallel: the loss's upstream gradient changed between backwards ({loss_scale:g}, then "
             f"{value:g}: loss sites with different weights?). A bf16 dC made in the forward would be rounded twice, "
             "so calls without an fp32 main_grad take the lean path from now on (exact, slower). One loss scale "
             "per process (cce_parallel.expect_loss_scale) keeps the one-pass speed.",
             stacklevel=4,
         )
-    loss_scale = _last_miss = value
+    loss_scale, _last_missed = value, True
 
 
 def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
@@ -728,7 +729,7 @@ def read_backward_reports():
     """What earlier backwards reported (_report), in their order; ops/functional.py calls this
     after each call's forward has waited for its targets' counts, which the stream orders after
     the earlier backwards' reports: on a GPU the host learns a backward's report one call late."""
-    global _last_miss
+    global _last_missed
     while _reports:
         host, event, used = _reports.pop(0)
         if event is not None:
@@ -739,7 +740,7 @@ def read_backward_reports():
         if code == _MISS:
             _learn_scale(ratio * used)
         else:
-            _last_miss = None
+            _last_missed = False
 
 
 def _scaled(t, ratio, dtype):
