@@ -11,7 +11,7 @@ from cce_parallel.kernels.from_logits import (
 from cce_parallel.kernels.probs_gemm import grad_rows, logits_probs
 from cce_parallel.kernels.scaled import SNAP_ULPS, scale_, scaled_copy, snap_ratio
 from cce_parallel.kernels.target_rows import add_rows_summed, fold_rows, scale_sub_rows
-from cce_parallel.kernels.weighted_dc import weighted_dc
+from cce_parallel.kernels.weighted_grads import weighted_grads
 
 __all__ = [
     "SNAP_ULPS",
@@ -30,5 +30,5 @@ __all__ = [
     "snap_ratio",
     "stats_from_logits",
     "stats_slices",
-    "weighted_dc",
+    "weighted_grads",
 ]

@@ -184,7 +184,8 @@ def fold_rows(out: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor, *, back:
 
 @triton.jit
 def _scale_sub_rows_kernel(
-    X_ptr,  # [k, D] fp32, row stride stride_x, updated in place
+    X_ptr,  # [k, D] fp32, row stride stride_x
+    Out_ptr,  # [k, D] out (X_ptr itself, or a narrower dtype), row stride stride_o
     W_ptr,  # [k] fp32
     B_ptr,  # [k] fp32
     C_ptr,  # [V, D] rows to subtract (any float dtype), row stride stride_c
@@ -193,6 +194,7 @@ def _scale_sub_rows_kernel(
     V,
     D,
     stride_x,
+    stride_o,
     stride_c,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -204,21 +206,26 @@ def _scale_sub_rows_kernel(
     w = tl.load(W_ptr + rows, mask=mask_r, other=0.0)
     b = tl.load(B_ptr + rows, mask=mask_r, other=0.0)
     idx = tl.minimum(tl.maximum(tl.load(Index_ptr + rows, mask=mask_r, other=0), 0), V - 1)
-    ptrs = X_ptr + rows[:, None] * stride_x + cols[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
+    x = tl.load(X_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     c = tl.load(C_ptr + idx[:, None] * stride_c + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, x * w[:, None] - b[:, None] * c, mask=mask)
+    y = x * w[:, None] - b[:, None] * c
+    tl.store(Out_ptr + rows[:, None] * stride_o + cols[None, :], y.to(Out_ptr.dtype.element_ty), mask=mask)
 
 
-def scale_sub_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, c: torch.Tensor, index: torch.Tensor):
-    """x[i] = w[i] * x[i] - b[i] * c[index[i]] in place (x fp32 [k, D], w and b fp32 [k], index
-    clamped to [0, c.shape[0]), so that a target another shard holds, with b = 0, reads a row of
-    c but subtracts nothing): dE's scaling and target term in one pass, where PyTorch's mul_,
-    index_select and addcmul_ took three (0.25 ms of Phi 3.5 mini's 7.4 ms on an H100). No host
-    sync."""
+def scale_sub_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, c: torch.Tensor, index: torch.Tensor,
+                   out=None):
+    """out[i] = w[i] * x[i] - b[i] * c[index[i]] (x fp32 [k, D], w and b fp32 [k], index clamped to
+    [0, c.shape[0]), so that a target another shard holds, with b = 0, reads a row of c but
+    subtracts nothing), in fp32, rounded once to out's dtype; out [k, D] (unit column stride) must
+    not overlap x unless it is x (None: in place). dE's scaling and target term in one pass, where
+    PyTorch's mul_, index_select and addcmul_ took three (0.25 ms of Phi 3.5 mini's 7.4 ms on an
+    H100). No host sync."""
     k, d = x.shape
+    out = x if out is None else out
     if x.dtype != torch.float32 or x.stride(1) != 1 or c.stride(1) != 1 or c.shape[1] != d:
         raise ValueError(f"x must be fp32 [{k}, {d}] and c [V, {d}], both with unit column stride")
+    if out.shape != x.shape or out.stride(1) != 1:
+        raise ValueError(f"out must be [{k}, {d}] with unit column stride")
     if w.shape != (k,) or b.shape != (k,) or index.shape != (k,):
         raise ValueError(f"w, b and index must have shape ({k},)")
     if k == 0 or d == 0:
@@ -227,6 +234,6 @@ def scale_sub_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, c: torch.T
     block_k, block_d = (16, 256) if x.is_cuda else (64, 128)
     grid = (triton.cdiv(k, block_k), triton.cdiv(d, block_d))
     _scale_sub_rows_kernel[grid](
-        x, w, b, c, index, k, c.shape[0], d, x.stride(0), c.stride(0), BLOCK_K=block_k, BLOCK_D=block_d,
-        num_warps=4,
+        x, out, w, b, c, index, k, c.shape[0], d, x.stride(0), out.stride(0), c.stride(0), BLOCK_K=block_k,
+        BLOCK_D=block_d, num_warps=4,
     )

@@ -21,19 +21,21 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   needs. The backward only scales these by the upstream gradient g / grad_scale, which is exact
   when g is one number over the kept tokens (reduction mean or sum, or Megatron's loss_mask /
   count with the mask folded into ignore_index, where the ratio is 1 and nothing moves), except
-  for a bf16 dC, rounded once already: a ratio that is not a power of two has it recomputed
-  (kernels.snap_ratio decides on the device, kernels.weighted_dc recomputes), and the forwards
-  after make it for that number (loss_scale below). dE, linear in g per token, scales per row
-  whatever g is. Whether a per-token g is one number over
-  the kept tokens is decided on the device, without a host sync: otherwise kernels.weighted_dc
-  recomputes dC and dbias (exact), and once the host learns of it (a call later, on a GPU) later
+  for a bf16 dC or dE, rounded once already: a ratio that is not a power of two has them
+  recomputed (kernels.snap_ratio decides on the device, kernels.weighted_grads recomputes), and
+  the forwards after make them for that number (loss_scale below). An fp32 dE, linear in g per
+  token, scales per row whatever g is. Whether a per-token g is one number over the kept tokens
+  is decided on the device, without a host sync: otherwise kernels.weighted_grads recomputes dC,
+  dbias and a bf16 dE (exact), and once the host learns of it (a call later, on a GPU) later
   per-token calls take the lean path. A gradient through the returned lse recomputes all.
 - Lean (logits_budget=0, nothing needing a gradient, and the fallbacks above): the forward folds
   fp32 logit chunks into the statistics; the backward recomputes them and adds dE and dC chunk by
   chunk. Four logit-sized GEMMs, memory within about 100 MB of dE + dC.
 
 Accumulation: dE is summed in fp32 over the vocabulary (and over tensor-parallel ranks) and
-rounded once. dC is summed over the token blocks in the input dtype by the dC GEMMs themselves,
+rounded once: in the forward where dC is bf16 and no other rank adds to it (no fp32 dE is kept
+then: on a one-block head that is the difference between torch.compile's peak and 48 MiB above
+it, Phi 3.5 mini), else in the backward. dC is summed over the token blocks in the input dtype by the dC GEMMs themselves,
 except for the batch's target rows, which are summed in fp32 outside dC and rounded into it once
 with their target term (one_pass, kernels/target_rows.py): summing those in bf16 too measured worse
 than plain bf16 PyTorch (README, "Accuracy"). Into Megatron's main_grad dC is summed in fp32 and
@@ -327,9 +329,12 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
     # inputs sum in fp32 (the target term added per block, as into main_grad).
     low = fused and not uniform and not main_grad and c.dtype != torch.float32
     dc_dtype = c.dtype if low else torch.float32
+    # dE likewise in the input dtype, each row rounded once from fp32 (its block's fp32 rows sit in
+    # memory the block has done with: _rounded_de), where no rank's partial sum remains to be added.
+    de_dtype = e.dtype if low and comm.world == 1 else torch.float32
     # Every block writes its rows of dE; the first block writes dC (beta = 0), later ones add.
-    alloc = torch.empty if n > 0 else torch.zeros
-    de = alloc((n, d), **f32) if cfg.need_de else None
+    alloc = torch.empty if n > 0 and v > 0 else torch.zeros
+    de = alloc((n, d), device=e.device, dtype=de_dtype) if cfg.need_de else None
     dc = alloc((v, d), device=c.device, dtype=dc_dtype) if cfg.need_dc else None
     db = torch.zeros(v, **f32) if cfg.need_db else None
     if n == 0 or v == 0:
@@ -342,6 +347,10 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
     # bf16 dC: each token's target term coefficient, and over several blocks the target rows' sums.
     b_all = torch.empty(n, **f32) if low and dc is not None else None
     slots = None  # made before the second block, so that the first one's GEMMs start sooner
+    # A bf16 dE over several blocks: each block's fp32 rows in one buffer, its GEMM whole (split in
+    # three, as one block's is to keep no fp32 rows at all, the GEMMs of 683-token parts made Llama 3
+    # 8B's call 2 % slower on an H100).
+    de_tmp = torch.empty((nt, d), **f32) if de is not None and de.dtype != torch.float32 and nt < n else None
     # Per block, the fused path's row factors w and B' (see _fused_products).
     w_rows = torch.empty(nt, **f32) if fused else None
     b_rows = torch.empty(nt, **f32) if fused and b_all is None else None
@@ -376,7 +385,7 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
             _fused_products(
                 x, ref, m, s, e_b, c, t_b, g_rows[rows], cfg, lse[rows], zt[rows], w_rows[:k],
                 b_all[rows] if b_all is not None else b_rows[:k], de[rows] if de is not None else None, dc, db,
-                csum, u_rows, first=t0 == 0, dc_target=b_all is None,
+                csum, u_rows, first=t0 == 0, dc_target=b_all is None, de_tmp=de_tmp[:k] if de_tmp is not None else None,
             )
             continue
         logits_into(x, e_b, c)
@@ -405,7 +414,7 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
 
 
 def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b, de_rows, dc, db, csum, u_rows,
-                    *, first, dc_target):
+                    *, first, dc_target, de_tmp=None):
     """dE rows, dC and dbias of one block from W = exp(z - ref) and the statistics over the whole
     vocabulary (m, s: see kernels.grad_rows, which writes lse and the per-token w and B' into the
     given [k] buffers): the gradient is w W - B' [target] - U. Where the target is unlikely (p <
@@ -413,7 +422,8 @@ def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b,
     an untrained model, most of each row's gradient. It is added in fp32 from the target rows of C
     and E instead (kernels.scale_sub_rows into dE; kernels.add_rows_summed into dC, deterministic),
     into dC here where dc_target (an fp32 dC), else by the caller (one_pass) from b: B' per token
-    (0 where the target is not in this shard or went into W)."""
+    (0 where the target is not in this shard or went into W). A bf16 dE's fp32 rows go into de_tmp
+    if given (_rounded_de)."""
     from cce_parallel import kernels
 
     v = c.shape[0]
@@ -431,16 +441,65 @@ def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b,
             kernels.add_rows_summed(dc, targets, e, b.neg())
         if u is not None:
             u_rows.add_(u @ e.float())
-    if de_rows is not None:
-        _mm_into(de_rows, w_mat, c, accumulate=False)
-        kernels.scale_sub_rows(de_rows, w, b, c, targets)
-        if u is not None:
-            de_rows.addr_(u, csum, alpha=-1.0)
-    if db is not None:
+    if db is not None:  # before dE, whose rounded variant writes into W
         db.add_(torch.mm(w_mat.t(), w.to(w_mat.dtype)[:, None], **_fp32_out(w_mat)).squeeze(1))
         db.index_put_((targets.clamp(0, v - 1),), -b, accumulate=True)
         if u is not None:
             db.sub_(u.sum())
+    if de_rows is not None and de_rows.dtype != torch.float32:
+        _rounded_de(w_mat, c, w, b, targets, de_rows, de_tmp)
+    elif de_rows is not None:
+        _mm_into(de_rows, w_mat, c, accumulate=False)
+        kernels.scale_sub_rows(de_rows, w, b, c, targets)
+        if u is not None:
+            de_rows.addr_(u, csum, alpha=-1.0)
+
+
+def _fp32_view(t, start: int, end: int, rows: int, d: int):
+    """rows x d fp32 in the memory of elements [start, end) of t (contiguous from its storage
+    offset), or None where that does not fit or is not 16-byte aligned."""
+    size = rows * d * 4 // t.element_size()
+    if start + size > end or rows == 0:
+        return None
+    flat = t.as_strided((size,), (1,), t.storage_offset() + start)
+    if flat.data_ptr() % 16:
+        return None
+    return flat.view(torch.float32).view(rows, d)
+
+
+def _rounded_de(w_mat, c, w, b, targets, de_rows, tmp=None):
+    """de_rows (the input dtype) = w (W C) - B' C[target], the products in fp32 and rounded once.
+    With tmp (fp32, shaped like de_rows), the fp32 rows go there. Without, no [k, D] fp32 buffer
+    is needed: the GEMM goes in three parts, the first writing its fp32 rows into the last two
+    thirds of de_rows' own memory, each later one into the rows of W that the one before has read
+    (W is done with: dC and dbias come first). On Phi 3.5 mini's head in one block that keeps the
+    call's peak at W + dC + dE as torch.compile's is, instead of 48 MiB above it."""
+    from cce_parallel import kernels
+
+    if tmp is not None:
+        _mm_into(tmp, w_mat, c, accumulate=False)
+        kernels.scale_sub_rows(tmp, w, b, c, targets, out=de_rows)
+        return
+    k, d = de_rows.shape
+    a = k // 3
+    b2 = -(-(k - a) // 2)
+    parts = ((0, a), (a, a + b2), (a + b2, k))
+    rows_w = w_mat.stride(0)  # W's rows are padded to rows_w columns
+    homes = None
+    if de_rows.is_contiguous() and a > 0:
+        homes = [_fp32_view(de_rows, (k - 2 * a) * d, k * d, a, d),
+                 _fp32_view(w_mat, 0, a * rows_w, b2, d),
+                 _fp32_view(w_mat, a * rows_w, (a + b2) * rows_w, k - a - b2, d)]
+    if homes is None or any(h is None for (lo, hi), h in zip(parts, homes) if hi > lo):
+        # Small blocks, or a vocabulary under about 2 D: one fp32 buffer.
+        tmp = torch.empty((k, d), device=de_rows.device, dtype=torch.float32)
+        homes = [tmp[lo:hi] for lo, hi in parts]
+    for (lo, hi), home in zip(parts, homes):
+        if hi > lo:
+            _mm_into(home, w_mat[lo:hi], c, accumulate=False)
+    for (lo, hi), home in zip(parts, homes):
+        if hi > lo:
+            kernels.scale_sub_rows(home, w[lo:hi], b[lo:hi], c, targets[lo:hi], out=de_rows[lo:hi])
 
 
 class _TargetRows:
@@ -628,15 +687,16 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
 # per_token_weights_seen: a per-token loss's backward got per-token weights. From then on,
 # reduction "none" takes the lean path (ops/functional.py), which computes them with no wasted work.
 # Training loops call the loss the same way every step, so only the first call pays for
-# kernels.weighted_dc (and on a GPU the second, already on the one-pass path when the host learns
-# it, for a recompute of dC with library GEMMs).
+# kernels.weighted_grads (and on a GPU the second, already on the one-pass path when the host
+# learns it, for a recompute with library GEMMs).
 #
-# loss_scale: the number the one-pass forward makes a bf16 dC for (no fp32 main_grad), times the
-# reduction's own weights: what the caller multiplies the reduced loss by before the backward (1 /
-# micro-batches in Megatron's schedule). The backward scales the stored gradients by the upstream
-# gradient over that; a bf16 dC scaled by a number that is not a power of two would be rounded a
-# second time (worse than plain bf16 PyTorch), so there kernels.weighted_dc recomputes it (exact,
-# slow) and the host learns the number for later calls (on a GPU from the second call after).
+# loss_scale: the number the one-pass forward makes a bf16 dC and dE for (no fp32 main_grad), times
+# the reduction's own weights: what the caller multiplies the reduced loss by before the backward
+# (1 / micro-batches in Megatron's schedule). The backward scales the stored gradients by the
+# upstream gradient over that; a bf16 gradient scaled by a number that is not a power of two would
+# be rounded a second time (worse than plain bf16 PyTorch), so there kernels.weighted_grads
+# recomputes it (exact, slow) and the host learns the number for later calls (on a GPU from the
+# second call after).
 # expect_loss_scale sets it beforehand.
 # loss_scale_unsteady: the number changed between two backwards in a row (loss sites with different
 # weights, say): bf16-dC calls take the lean path from then on, exact for any upstream gradient.
@@ -647,7 +707,7 @@ _last_missed = False  # the last report was a miss (loss_scale is the number it 
 
 # Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (code, ratio), event,
 # the loss_scale its forward used). Codes: 0 the stored gradients served, 1 per-token weights, 2 one
-# number whose ratio to loss_scale is not a power of two (a bf16 dC recomputed).
+# number whose ratio to loss_scale is not a power of two (a bf16 dC / dE recomputed).
 _reports: list = []
 _WEIGHTS, _MISS = 1, 2
 
@@ -670,7 +730,7 @@ def _warn_fallback():
         per_token_weights_seen = True
         warnings.warn(
             "cce_parallel: a per-token loss's upstream gradient was not one number over the kept tokens, so "
-            "the gradients computed in the forward could not just be scaled; dC was recomputed (exact, slower). "
+            "the gradients computed in the forward could not just be scaled; they were recomputed (exact, slower). "
             "Later calls with reduction='none' in this process take the lean path (logits_budget='lean'). "
             "Fold loss masks into ignore_index (cce_parallel.megatron.mask_labels) to keep the one-pass speed.",
             stacklevel=4,
@@ -825,6 +885,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.gave_gradients = True
             ratio = weighted = g_k = None
             scalar = g.numel() and g.stride(0) == 0  # one number expanded (reduction mean or sum)
+            # dC and dE made in the input dtype are rounded already: scaled exactly only by a power
+            # of two, recomputed otherwise (see below).
+            rounded_de = de1 is not None and de1.dtype != torch.float32
+            low = rounded_de or (dc1 is not None and dc1.dtype != torch.float32)
             if scalar:
                 # Nothing kept gives zeros, even where "mean" made the upstream gradient infinite.
                 ratio = torch.where(counts[0] > 0, g[0] / grad_scale, 0.0)
@@ -834,22 +898,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 g_k = torch.where(keep, g, 0.0)
                 w = g_k / grad_scale
                 de = None
-                if de1 is not None:
+                if de1 is not None and not rounded_de:
                     de = kernels.scaled_copy(de1, w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
                                              if sp else w, e_dtype)
                 if not per_token_weights_seen:
                     # dC and dbias scale by the one weight of the kept tokens (1 for Megatron's
                     # loss_mask / count with the mask folded: nothing moves); where the weights
-                    # differ, kernels.weighted_dc recomputes them instead. Both are queued and the
+                    # differ, kernels.weighted_grads recomputes them instead. Both are queued and the
                     # device decides (ignored tokens count as 0): no host sync.
                     ratio, weighted = _weights_over_kept(w, keep)
             report = None
-            low = dc1 is not None and dc1.dtype != torch.float32
             if ratio is not None and (weighted is not None or low):
-                # A bf16 dC, rounded in the forward, is exactly scaled only by a power of two; for
-                # anything else the flag makes kernels.weighted_dc recompute it (on the device).
+                # A bf16 dC or dE, rounded in the forward, is exactly scaled only by a power of two;
+                # for anything else the flag makes kernels.weighted_grads recompute it (on the device).
                 ratio, weighted, report = kernels.snap_ratio(ratio, weighted, snap=low)
-            if scalar:
+            if scalar or (rounded_de and ratio is not None):
                 de = _scaled(de1, ratio, e_dtype)
             main = ctx.c_main_grad() if dc1 is not None and ctx.c_main_grad is not None else None
             if ratio is not None:
@@ -863,16 +926,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 a, b, u = coefficients(g_k, None, lse, cfg)
             if weighted is not None:
                 scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
-                kernels.weighted_dc(weighted, e_all, c, bias, targets, lse, a, b, u, scale,
-                                    main if main is not None else dc, db, softcap=cfg.softcap, add_dc=main is not None)
+                kernels.weighted_grads(weighted, e_all, c, bias, targets, lse, a, b, u, scale,
+                                       main if main is not None else dc, db, de if rounded_de else None,
+                                       softcap=cfg.softcap, add_dc=main is not None)
                 _report(report, cfg.loss_scale)
             elif ratio is None:
                 # An earlier call's weights were per token (read_backward_reports): so are these,
-                # most likely. dC and dbias recompute with library GEMMs, exact for any weights.
+                # most likely. dC and dbias (and a rounded dE) recompute with library GEMMs, exact
+                # for any weights.
                 dc = db = None
-                if dc1 is not None or db1 is not None:
-                    _, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=False)
+                if dc1 is not None or db1 is not None or rounded_de:
+                    de2, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=rounded_de)
                     db = db.to(bias.dtype) if db1 is not None else None
+                    dc = dc if dc1 is not None else None
+                    if rounded_de:
+                        de = _finish_de(de2, comm, sp).to(e_dtype)
                     if main is not None:
                         main.add_(dc)
         else:

@@ -6,7 +6,7 @@ bf16/fp16, then fp32 cross-entropy), within SLACK (5 %). Run with `pytest -s` to
 
 The cases take every backward: the one-pass gradients scaled by a scalar upstream gradient (mean,
 sum) or by one number over the kept tokens (reduction "none" with a uniform upstream, Megatron's
-mask / count); per-token random weights (dE scaled per row, dC recomputed); a gradient through lse
+mask / count); per-token random weights (an fp32 dE scaled per row, dC and a bf16 dE recomputed); a gradient through lse
 (everything recomputed); and the lean two-pass path (logits_budget="lean").
 
 The oracle and the plain-PyTorch errors are computed once per (case, dtype) and shared by the
@@ -340,9 +340,10 @@ def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(primed):
     """The loss times 3 (a mean over 3 micro-batches), random data (an untrained model): a bf16 dC
     made in the forward for 1 and scaled by 3 in the backward is rounded twice, and worse than
     plain bf16 PyTorch here (checked first, so that the test shows the defect it guards against).
-    Ours: the first backward recomputes dC (kernels.weighted_dc) and the host learns the 3, after
-    which the forward makes dC for it; told beforehand (expect_loss_scale), no recompute at all.
-    Every call's errors are within plain PyTorch's."""
+    Ours: the first backward recomputes dC and dE (kernels.weighted_grads; dE too is made in bf16
+    in the forward on one rank) and the host learns the 3, after which the forward makes them for
+    it; told beforehand (expect_loss_scale), no recompute at all. Every call's errors are within
+    plain PyTorch's."""
     from cce_parallel.ops import autograd
 
     n, v, d = 4096, 32064, 3072

@@ -81,9 +81,10 @@ def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monk
 
     x = inputs(device)
     ratios, flags = [], []
-    real_scale, real_weighted = kernels.scale_, kernels.weighted_dc
+    real_scale, real_weighted = kernels.scale_, kernels.weighted_grads
     monkeypatch.setattr(kernels, "scale_", lambda t, s: ratios.append(s.item()) or real_scale(t, s))
-    monkeypatch.setattr(kernels, "weighted_dc", lambda flag, *a, **k: flags.append(flag.item()) or real_weighted(flag, *a, **k))
+    monkeypatch.setattr(kernels, "weighted_grads",
+                        lambda flag, *a, **k: flags.append(flag.item()) or real_weighted(flag, *a, **k))
     e, c = x["e"].detach().requires_grad_(), x["c"].detach().requires_grad_()
     mask = (x["targets"] != -100).float()
     loss = (linear_cross_entropy(e, c, x["targets"], impl=IMPL, reduction="none") * mask).sum() / mask.sum()
@@ -98,7 +99,7 @@ def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monk
 
 @pytest.mark.parametrize("options", [{"z_loss": 1e-3}, {"label_smoothing": 0.1, "softcap": 3.0}])
 def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls):
-    """Per-token weights: dE scales per row, kernels.weighted_dc recomputes dC and dbias (the lean
+    """Per-token weights: dE scales per row, kernels.weighted_grads recomputes dC and dbias (the lean
     backward does not run), and the next per-token call takes the lean path."""
     x = inputs(device)
     options = dict(options, impl=IMPL, reduction="none")
@@ -521,8 +522,8 @@ def _torch_fold_rows(out, acc, rows, *, back):
                 acc[i], out[r] = x, 0
 
 
-def _torch_weighted_dc(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, *, softcap, add_dc):
-    """A PyTorch stand-in for kernels.weighted_dc (bf16 inputs; no bias, softcap or smoothing)."""
+def _torch_weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=None, *, softcap, add_dc):
+    """A PyTorch stand-in for kernels.weighted_grads (bf16 inputs; no bias, softcap or smoothing)."""
     assert bias is None and softcap is None and u is None and db is None
     if not flag.item():
         return
@@ -530,12 +531,15 @@ def _torch_weighted_dc(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, *
     here = (targets >= 0) & (targets < c.shape[0])
     dz = a[:, None] * p
     dz[here.nonzero().squeeze(1), targets[here]] -= b[here]
-    out = (dz.to(e.dtype).float().T @ e.float()) + (dc.float() if add_dc else 0.0)
-    dc.copy_(out.to(dc.dtype))
+    g = dz.to(e.dtype).float()
+    if dc is not None:
+        dc.copy_(((g.T @ e.float()) + (dc.float() if add_dc else 0.0)).to(dc.dtype))
+    if de is not None:
+        de.copy_((g @ c.float()).to(de.dtype))
 
 
 def _bf16_stand_ins(device, monkeypatch):
-    """On CPU, PyTorch stand-ins replace the fused GEMM, the target rows' kernels and weighted_dc,
+    """On CPU, PyTorch stand-ins replace the fused GEMM, the target rows' kernels and weighted_grads,
     and the lean path runs its PyTorch reference (the interpreter runs Triton in fp32 only); the
     rest of the one-pass path is the real one."""
     if device.type == "cpu":
@@ -547,7 +551,7 @@ def _bf16_stand_ins(device, monkeypatch):
         monkeypatch.setattr(kernels, "logits_probs", _torch_logits_probs)
         monkeypatch.setattr(kernels, "add_rows_summed", _torch_add_rows_summed)
         monkeypatch.setattr(kernels, "fold_rows", _torch_fold_rows)
-        monkeypatch.setattr(kernels, "weighted_dc", _torch_weighted_dc)
+        monkeypatch.setattr(kernels, "weighted_grads", _torch_weighted_grads)
         monkeypatch.setattr(functional, "_triton_usable", lambda impl, device, dtype: True)
         lean_backward, local_stats = autograd.lean_backward, autograd.local_stats
         reference = lambda cfg: dataclasses.replace(cfg, use_triton=False)
@@ -569,22 +573,30 @@ def _frequent_target_case(device):
     return e.to(device), c.to(device), t.to(device)
 
 
-def _spy_weighted_dc(monkeypatch):
-    """Records the flag of each kernels.weighted_dc launch (1: dC recomputed)."""
+def _spy_weighted_grads(monkeypatch):
+    """Records the flag of each kernels.weighted_grads launch (1: recomputed)."""
     from cce_parallel import kernels
 
     flags = []
-    real = kernels.weighted_dc
-    monkeypatch.setattr(kernels, "weighted_dc", lambda flag, *a, **k: flags.append(int(flag.item())) or real(flag, *a, **k))
+    real = kernels.weighted_grads
+    monkeypatch.setattr(kernels, "weighted_grads",
+                        lambda flag, *a, **k: flags.append(int(flag.item())) or real(flag, *a, **k))
     return flags
 
 
 def _assert_beats_plain_bf16(e, c, t, de, dc, scale):
-    """dE and dC of scale * mean cross-entropy closer to float64's than plain bf16 PyTorch's."""
+    """dE and dC of scale * mean cross-entropy (or, for a tensor scale, of the sum of the per-token
+    losses times it) closer to float64's than plain bf16 PyTorch's."""
+
+    def loss(x, y):
+        if isinstance(scale, torch.Tensor):
+            return (torch.nn.functional.cross_entropy(x @ y.T, t, reduction="none") * scale.to(x.dtype)).sum()
+        return torch.nn.functional.cross_entropy(x @ y.T, t) * scale
+
     e64, c64 = e.double().requires_grad_(), c.double().requires_grad_()
-    (torch.nn.functional.cross_entropy(e64 @ c64.T, t) * scale).backward()
+    loss(e64, c64).backward()
     e16, c16 = e.clone().requires_grad_(), c.clone().requires_grad_()
-    (torch.nn.functional.cross_entropy(e16 @ c16.T, t) * scale).backward()  # plain bf16 PyTorch
+    loss(e16, c16).backward()  # plain bf16 PyTorch
     for ours, plain, want in ((de, e16.grad, e64.grad), (dc, c16.grad, c64.grad)):
         assert rel_err(ours.double(), want) < min(5e-3, rel_err(plain.double(), want))
 
@@ -604,7 +616,7 @@ def test_bf16_dc_is_summed_in_bf16_with_target_rows_in_fp32(blocks, main_grad, d
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
-        made.append(out[4].dtype)
+        made.append((out[3].dtype, out[4].dtype))
         return out
 
     monkeypatch.setattr(autograd, "one_pass", spy)
@@ -614,10 +626,11 @@ def test_bf16_dc_is_summed_in_bf16_with_target_rows_in_fp32(blocks, main_grad, d
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
     buffer = torch.zeros(c.shape, device=device)
     extra = {"c_main_grad": lambda: buffer} if main_grad else {}
-    flags = _spy_weighted_dc(monkeypatch)
+    flags = _spy_weighted_grads(monkeypatch)
     loss = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, logits_budget=budget, **extra)
     (loss * 4.0).backward()  # an upstream gradient other than 1, a power of two: scaled exactly
-    assert made == [torch.float32 if main_grad else torch.bfloat16]
+    # dE made in bf16 (rounded once, no fp32 dE kept) wherever dC is.
+    assert made == [(torch.float32, torch.float32) if main_grad else (torch.bfloat16, torch.bfloat16)]
     assert flags == ([] if main_grad else [0])  # an fp32 dC is not checked; a bf16 one not recomputed
     dc = buffer if main_grad else c1.grad
     assert (c1.grad is None) == main_grad and e1.grad.dtype == torch.bfloat16
@@ -632,13 +645,13 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
     """A bf16 dC made in the forward and then scaled by a number that is not a power of two (here
     the loss times 3, as for 3 micro-batches) would be rounded twice: worse than plain bf16
     PyTorch (measured on an H100, README "Accuracy"). The first backward recomputes it
-    (kernels.weighted_dc, flagged on the device) and the host learns the number; the next forward
+    (kernels.weighted_grads, flagged on the device) and the host learns the number; the next forward
     makes dC for it, and its backward moves nothing. A power of two scales exactly. Told the number
     beforehand (expect_loss_scale), the first backward moves nothing either."""
     from cce_parallel.ops import functional
 
     _bf16_stand_ins(device, monkeypatch)
-    flags = _spy_weighted_dc(monkeypatch)
+    flags = _spy_weighted_grads(monkeypatch)
     e, c, t = _frequent_target_case(device)
     budget = 2 * c.shape[0] * (t.shape[0] // blocks)
     if primed:
@@ -656,6 +669,39 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
         assert flags[-1] == flag, (scale, flags)
         autograd.read_backward_reports()  # now, not after the next forward (a GPU host would learn then)
         assert autograd.loss_scale == 3.0 and not autograd.loss_scale_unsteady
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monkeypatch, lean_calls):
+    """Per-token weights on bf16 inputs: dC and dE were made in the forward in bf16 for one weight
+    per kept token, so scaling their rows would round them twice. Flagged on the device,
+    kernels.weighted_grads recomputes both (known=False); where the host knew of per-token weights
+    before the backward (on a GPU, from the call before), the lean backward computes them. Either
+    way exact: the recompute within plain bf16 PyTorch's error, the lean backward's results handed
+    out as they are (on CPU its PyTorch reference rounds the logits to bf16, less accurate than the
+    Triton lean path, which the GPU tests check). Stand-ins on CPU (_bf16_stand_ins)."""
+    from cce_parallel.ops import functional
+
+    _bf16_stand_ins(device, monkeypatch)
+    flags = _spy_weighted_grads(monkeypatch)
+    lean_out = []
+    spy = autograd.lean_backward
+    monkeypatch.setattr(autograd, "lean_backward", lambda *a, **k: lean_out.append(spy(*a, **k)) or lean_out[-1])
+    e, c, t = _frequent_target_case(device)
+    weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(9)).to(device) + 0.5
+    e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
+    per_token = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, reduction="none")
+    if known:
+        monkeypatch.setattr(autograd, "per_token_weights_seen", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (per_token * weights).sum().backward()
+    assert (flags, lean_calls) == (([], [True]) if known else ([1], []))
+    if known:
+        de, dc, _ = lean_out[0]
+        assert torch.equal(e1.grad, de.to(e.dtype)) and torch.equal(c1.grad, dc)
+    else:
+        _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, weights)
 
 
 def test_bf16_dc_bits_with_a_primed_loss_scale_do_not_depend_on_earlier_calls(device, monkeypatch):
@@ -696,7 +742,7 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
     from cce_parallel.ops import functional
 
     _bf16_stand_ins(device, monkeypatch)
-    flags = _spy_weighted_dc(monkeypatch)
+    flags = _spy_weighted_grads(monkeypatch)
     e, c, t = _frequent_target_case(device)
     with warnings.catch_warnings(record=True) as caught:  # learned at the 2nd call (CPU) or 3rd (GPU)
         warnings.simplefilter("always")
@@ -953,6 +999,53 @@ def test_scale_sub_rows(device):
     assert rel_err(got.cpu().double(), want) < 1e-6
 
 
+def test_scale_sub_rows_into_a_narrower_tensor(device):
+    """out = w x - b c[index] rounded once to out's dtype (bf16 out on a GPU, fp32 on CPU: the
+    interpreter runs fp32), x left as it was."""
+    from cce_parallel import kernels
+
+    g = torch.Generator().manual_seed(5)
+    x, c = torch.randn(37, 70, generator=g), torch.randn(50, 70, generator=g)
+    w, b = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    index = torch.randint(-1, 50, (37,), generator=g)
+    b[index < 0] = 0.0  # another shard's target: subtracts nothing
+    want = x.double() * w.double()[:, None] - b.double()[:, None] * c.double()[index.clamp(0)]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x_d = x.to(device)
+    out = torch.full((37, 70), 9.0, device=device, dtype=dtype)
+    kernels.scale_sub_rows(x_d, w.to(device), b.to(device), c.to(device), index.to(device), out=out)
+    assert torch.equal(x_d.cpu(), x)
+    assert rel_err(out.cpu().double(), want) < (3e-3 if dtype == torch.bfloat16 else 1e-6)
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.scale_sub_rows(x_d, w.to(device), b.to(device), c.to(device), index.to(device), out=out[:, :69])
+
+
+@pytest.mark.parametrize("v, rows_w, tmp", [(300, 304, False), (20, 24, False), (300, 304, True)])
+def test_rounded_de_keeps_its_fp32_rows_in_memory_the_block_is_done_with(v, rows_w, tmp, device):
+    """autograd._rounded_de: dE = w (W C) - B' C[target] rounded once to the input dtype. Its three
+    GEMM parts' fp32 rows go into dE's own memory and W's rows already read (W changes), unless the
+    vocabulary is too narrow for that (under about 2 D: an fp32 buffer, W untouched) or the caller
+    gives an fp32 buffer (several token blocks: one GEMM, W untouched). bf16 on CPU
+    too: the GEMMs are PyTorch's, and the interpreter's bf16 stores truncate (error up to one ulp,
+    not half), hence its looser bound."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(6)
+    k, d = 40, 16
+    buf = torch.rand(k, rows_w, generator=g).to(device=device, dtype=dtype)
+    w_mat = buf[:, :v]
+    c = torch.randn(v, d, generator=g).to(device=device, dtype=dtype)
+    w, b = torch.rand(k, generator=g).to(device), torch.rand(k, generator=g).to(device)
+    targets = torch.randint(-1, v, (k,), generator=g).to(device)
+    b[targets < 0] = 0.0
+    want = (w.double()[:, None] * (w_mat.double() @ c.double())
+            - b.double()[:, None] * c.double()[targets.clamp(0)])
+    before = buf.clone()
+    de = torch.empty(k, d, device=device, dtype=dtype)
+    autograd._rounded_de(w_mat, c, w, b, targets, de, torch.empty(k, d, device=device) if tmp else None)
+    assert rel_err(de.double(), want) < (3e-3 if device.type == "cuda" else 6e-3)
+    assert torch.equal(buf, before) == (v < 2 * d or tmp)
+
+
 @pytest.mark.parametrize("budget", ["auto", "lean"])
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 def test_no_tokens(reduction, budget, device):
@@ -996,10 +1089,11 @@ def test_snap_ratio(device):
 
 
 @pytest.mark.parametrize("add", [False, True])
-def test_weighted_dc_moves_nothing_unless_flagged(add, device):
-    """kernels.weighted_dc against float64: flag 0 leaves dC and dbias as they were (bit for bit);
-    flag 1 writes (or, for Megatron's main_grad, adds) dz^T E and dz's column sums, with tokens of
-    zero weight in whole blocks skipped and partial tiles at every edge."""
+def test_weighted_grads_moves_nothing_unless_flagged(add, device):
+    """kernels.weighted_grads against float64: flag 0 leaves dC, dbias and dE as they were (bit for
+    bit); flag 1 writes (or, for Megatron's main_grad, adds) dz^T E, writes dz's column sums and
+    dz C, with tokens of zero weight in whole blocks skipped and partial tiles at every edge. Each
+    output may be asked for alone."""
     from cce_parallel import kernels
 
     g = torch.Generator(device=device).manual_seed(3)
@@ -1016,19 +1110,22 @@ def test_weighted_dc_moves_nothing_unless_flagged(add, device):
     here = targets >= 0
     dz[here.nonzero().squeeze(1), targets[here]] -= b.double()[here]
     start_dc = torch.randn(v, d, generator=g, device=device)
-    for flag in (0, 1):
-        dc, db = start_dc.clone(), torch.full((v,), 7.0, device=device)
-        kernels.weighted_dc(torch.tensor([flag], device=device, dtype=torch.int32), e, c, None, targets,
-                            lse.float(), a, b, None, torch.ones(1, device=device), dc, db, softcap=None, add_dc=add)
-        if not flag:
-            assert torch.equal(dc, start_dc) and torch.equal(db, torch.full_like(db, 7.0))
-            continue
-        want = dz.t() @ e.double() + (start_dc.double() if add else 0.0)
-        assert rel_err(dc, want) < 1e-6
-        assert rel_err(db, dz.sum(dim=0)) < 1e-6
+    wants = {"dc": dz.t() @ e.double() + (start_dc.double() if add else 0.0), "db": dz.sum(dim=0),
+             "de": dz @ c.double()}
+    for flag, asked in ((0, "dc db de"), (1, "dc db de"), (1, "de"), (1, "dc"), (1, "db")):
+        out = {"dc": start_dc.clone(), "db": torch.full((v,), 7.0, device=device), "de": torch.full((n, d), 5.0, device=device)}
+        kernels.weighted_grads(torch.tensor([flag], device=device, dtype=torch.int32), e, c, None, targets,
+                               lse.float(), a, b, None, torch.ones(1, device=device),
+                               *(out[k] if k in asked else None for k in ("dc", "db", "de")), softcap=None, add_dc=add)
+        untouched = {"dc": start_dc, "db": torch.full((v,), 7.0, device=device), "de": torch.full((n, d), 5.0, device=device)}
+        for k, got in out.items():
+            if k in asked and flag:
+                assert rel_err(got, wants[k]) < 1e-6, k
+            else:
+                assert torch.equal(got, untouched[k]), k
 
 
-def test_weighted_dc_retries_smaller_tiles_when_shared_memory_runs_out(device, monkeypatch):
+def test_weighted_grads_retries_smaller_tiles_when_shared_memory_runs_out(device, monkeypatch):
     """The launch is queued on every per-token backward, so a GPU with less shared memory than the
     default tiles need must still run it: narrower dC tiles, then one stage, remembered per device
     and dtype."""
@@ -1036,7 +1133,7 @@ def test_weighted_dc_retries_smaller_tiles_when_shared_memory_runs_out(device, m
 
     from triton.runtime.errors import OutOfResources
 
-    module = importlib.import_module("cce_parallel.kernels.weighted_dc")
+    module = importlib.import_module("cce_parallel.kernels.weighted_grads")
     tried = []
     real = module._launch
 
