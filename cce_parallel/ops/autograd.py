@@ -269,9 +269,10 @@ def _stats_of_block(x, bias, targets, cfg, comm):
 
 def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main_grad: bool = False):
     """(lse, zt, zsum, dE, dC, dbias, prepared) with the gradients of sum_t g[t] * loss[t]: dE the
-    fp32 partial sum over this rank's vocabulary, dbias fp32, dC in c's dtype (fp32 where it goes
-    into an fp32 `main_grad`, and on the paths dc_dtype below names); None where not needed. See
-    the module docstring.
+    fp32 partial sum over this rank's vocabulary (in e's dtype, rounded once, where dC is and the
+    call has one rank: de_dtype below), dbias fp32, dC in c's dtype (fp32 where it goes into an
+    fp32 `main_grad`, and on the paths dc_dtype below names); None where not needed. See the
+    module docstring.
 
     targets: the caller's (flat, contiguous), rows of c being vocabulary rows start ...
     prepare(): the targets' pass, prepared = (each token's row of c or -1, keep, counts,
