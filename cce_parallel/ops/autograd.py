@@ -718,11 +718,13 @@ def expect_loss_scale(scale: float) -> None:
     1 / micro-batches where the loss is divided by their number), so that a bf16 dC computed in
     the forward is made for it: rounded once, with no recompute at the first backward. Without it
     the loss learns the number from its backwards. Calls made before and after a resume then
-    compute the same bits (the train job sets it)."""
-    global loss_scale
+    compute the same bits (the train job sets it). It also ends an "unsteady" state (changing
+    numbers sent bf16 calls down the lean path): the one-pass path is taken again, until two
+    different numbers in a row are seen again."""
+    global loss_scale, loss_scale_unsteady, _last_missed
     if not (isinstance(scale, Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale != 0):
         raise ValueError(f"expect_loss_scale: scale must be a finite nonzero number, got {scale!r}")
-    loss_scale = float(scale)
+    loss_scale, loss_scale_unsteady, _last_missed = float(scale), False, False
 
 
 def _warn_fallback():

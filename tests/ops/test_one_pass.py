@@ -738,7 +738,8 @@ def test_bf16_dc_bits_with_a_primed_loss_scale_do_not_depend_on_earlier_calls(de
 def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, lean_calls):
     """Two loss sites with different weights (3, then 5, ...): each backward would recompute dC.
     After two different numbers in a row, bf16-dC calls take the lean path (with a warning): from
-    the third call on a CPU, the fourth on a GPU (whose host learns one call late)."""
+    the third call on a CPU, the fourth on a GPU (whose host learns one call late).
+    expect_loss_scale ends that."""
     from cce_parallel.ops import functional
 
     _bf16_stand_ins(device, monkeypatch)
@@ -756,6 +757,13 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
         assert flags == [1, 1, 0] and lean_calls == [True]
     else:
         assert flags == [1, 1] and lean_calls == [True, True]
+    # Told the number, the loss takes the one-pass path again (and moves nothing at that number).
+    autograd.expect_loss_scale(3.0)
+    assert not autograd.loss_scale_unsteady
+    e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
+    (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * 3.0).backward()
+    _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, 3.0)
+    assert flags[-1] == 0 and len(lean_calls) == (1 if device.type == "cuda" else 2)
 
 
 @pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf"), True, "1", torch.tensor(0.5)])
