@@ -199,9 +199,13 @@ def _programs(device: torch.device) -> int:
 def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, softcap, add_dc):
     n, d = e.shape
     v = c.shape[0]
+    # As the kernel counts them: dC tiles (or one column of them for dbias alone), then dE tiles.
     tiles_d = triton.cdiv(d, blocks["BLOCK_D"])
-    tiles = triton.cdiv(v, blocks["BLOCK_V"]) * (tiles_d if dc is not None else 1) if dc is not None or db is not None else 0
-    tiles += triton.cdiv(n, blocks["BLOCK_N"]) * tiles_d if de is not None else 0
+    tiles = 0
+    if dc is not None or db is not None:
+        tiles += triton.cdiv(v, blocks["BLOCK_V"]) * (tiles_d if dc is not None else 1)
+    if de is not None:
+        tiles += triton.cdiv(n, blocks["BLOCK_N"]) * tiles_d
     grid = (max(1, min(tiles, _programs(e.device))),)
     dummy = lse
     _weighted_grads_kernel[grid](
