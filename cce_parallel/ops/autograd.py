@@ -45,7 +45,9 @@ Everything is deterministic: library GEMMs and kernels without atomics.
 
 Under tensor parallelism each rank holds a shard of the vocabulary. Per token (block), the ranks
 combine their max with one all-reduce (MAX) and their rescaled sums, target logits and logit sums
-with one more (SUM); dE is a partial sum, reduced in fp32; dC / dbias stay local. Inputs here are
+with one more (SUM); dE is a partial sum, reduced in fp32; dC / dbias stay local. Each rank's count
+of targets outside the vocabulary goes to every rank with the first SUM (on the lean path in a
+small all-reduce of its own: _BadTargets), so that they all raise. Inputs here are
 already validated and flattened to [N, D] (ops/functional.py does that). Ignored tokens go
 through the kernels with zero weight rather than being removed first: removing them needs their
 count on the host, a sync that leaves the GPU idle while the host prepares the launches. This
@@ -210,19 +212,83 @@ def _mm_into(out, a, b, *, accumulate: bool, alpha: float = 1.0):
         torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
 
 
-def _combine(mx, se, zt, zsum, comm, dim=None):
+def _combine(mx, se, zt, zsum, comm, dim=None, bad=None):
     """Fold partial statistics: the kernel's [S, N] splits (dim=0), or ranks' [N] rows (comm).
 
     Returns (max, sumexp relative to that max, zt, zsum). One MAX and one SUM all-reduce for ranks.
+    bad: a _BadTargets whose counts, the first time it comes here, ride along in the SUM.
     """
     m = mx.max(dim=0).values if dim is not None else comm.all_max_(mx.clone())
     safe = torch.where(torch.isfinite(m), m, 0.0)
     scaled = se * torch.exp(mx - safe)
     if dim is not None:
         return safe, scaled.sum(dim=0), zt.sum(dim=0), zsum.sum(dim=0) if zsum is not None else None
-    packed = torch.stack([scaled, zt] + ([zsum] if zsum is not None else []))
-    comm.all_sum_(packed)
+    parts = [scaled, zt] + ([zsum] if zsum is not None else [])
+    slots = bad.take() if bad is not None else None
+    if slots is None:
+        packed = torch.stack(parts)
+        comm.all_sum_(packed)
+    else:  # one copy, as the stack is, with the counts' slots after the statistics
+        flat = comm.all_sum_(torch.cat([p.reshape(-1) for p in parts] + [slots]))
+        packed = flat[: -slots.numel()].view(len(parts), *scaled.shape)
+        bad.summed(flat[-slots.numel():])
     return safe, packed[0], packed[1], packed[2] if zsum is not None else None
+
+
+# fp32 holds every integer up to 2^24 exactly: a count travels as two such numbers.
+_HALF = 1 << 24
+
+
+class _BadTargets:
+    """Each rank's count of kept targets outside [0, vocab) (counts[1] of the targets' pass) on its
+    way to `watch`, as int64 [world] in rank order (ops/functional.py's TargetCheck, whose host copy
+    is read once the forward is queued, raises on every rank if any is not 0).
+
+    Every rank must learn every rank's count: a rank that raised alone would leave the others
+    waiting in their next collective until the group's timeout. No host sync, and on the one-pass
+    path no collective of its own: the counts ride along the first SUM all-reduce of statistics
+    (_combine), which follows the first block's GEMM, so that the copy to the host still sits
+    ahead of most of the loss's kernels. The lean path all-reduces its statistics only after all of
+    its GEMMs, and the host's check would wait for those (the GPU then idles until the backward is
+    queued): there the counts take a small all-reduce of their own, queued before the GEMMs
+    (send_now).
+
+    A count travels as two fp32 numbers below 2^24 (exact up to 2^48) in this rank's two slots of
+    a [2 * world] vector that is 0 elsewhere, so that its sum over the ranks is exact too.
+    """
+
+    def __init__(self, counts: torch.Tensor, comm: Collectives, watch: Callable[[torch.Tensor], None]):
+        self.watch, self.world = watch, comm.world
+        self.slots = None
+        mine = counts[1:]
+        if comm.world == 1:
+            watch(mine)
+        else:
+            halves = torch.cat([mine // _HALF, mine % _HALF]).float()
+            self.slots = torch.nn.functional.pad(halves, (2 * comm.rank, 2 * (comm.world - 1 - comm.rank)))
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The slots to sum over the ranks, the first time only (None after, and with one rank)."""
+        slots, self.slots = self.slots, None
+        return slots
+
+    def summed(self, slots: torch.Tensor):
+        """slots summed over the ranks: every rank's count goes to watch."""
+        pairs = slots.view(self.world, 2).long()
+        self.watch(pairs[:, 0] * _HALF + pairs[:, 1])
+
+    def send_now(self, comm: Collectives):
+        """The counts in an all-reduce of their own (the lean path)."""
+        slots = self.take()
+        if slots is not None:
+            self.summed(comm.all_sum_(slots))
+
+    def without_tokens(self):
+        """A call without tokens makes no all-reduce of statistics, and has no bad targets on any
+        rank (they all have as many targets, parallel/vocab.py checks): this rank's 0 will do."""
+        slots = self.take()
+        if slots is not None:
+            self.summed(slots)
 
 
 def token_loss(lse, zt, zsum, cfg: LossConfig):
@@ -245,9 +311,9 @@ def coefficients(g_loss, g_lse, lse, cfg: LossConfig):
     return a.contiguous(), b.contiguous(), u
 
 
-def _stats_of_block(x, bias, targets, cfg, comm):
+def _stats_of_block(x, bias, targets, cfg, comm, bad=None):
     """Global (max, sumexp, zt, zsum) of the tokens whose fp32 logits over the whole local
-    vocabulary are x [k, V]: one statistics pass, then the ranks' all-reduces."""
+    vocabulary are x [k, V]: one statistics pass, then the ranks' all-reduces (_combine's `bad`)."""
     from cce_parallel import kernels
 
     k, v = x.shape
@@ -260,14 +326,14 @@ def _stats_of_block(x, bias, targets, cfg, comm):
     kernels.stats_from_logits(
         x, bias, targets, cfg.softcap, mx, se, zt, zsum, split=0, slices=slices, v_lo=0, v_hi=v, config=cfg.kernel
     )
-    return _combine(*_combine(mx, se, zt, zsum, SINGLE, dim=0), comm)
+    return _combine(*_combine(mx, se, zt, zsum, SINGLE, dim=0), comm, bad=bad)
 
 
 # ----------------------------------------------------------------------------------------------
 # the one-pass path
 
 
-def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main_grad: bool = False):
+def one_pass(e, c, bias, targets, start, prepare, watch, cfg: LossConfig, comm, *, main_grad: bool = False):
     """(lse, zt, zsum, dE, dC, dbias, prepared) with the gradients of sum_t g[t] * loss[t]: dE the
     fp32 partial sum over this rank's vocabulary (in e's dtype, rounded once, where dC is and the
     call has one rank: de_dtype below), dbias fp32, dC in c's dtype (fp32 where it goes into an
@@ -280,7 +346,8 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
     tokens, whose gradients are thus 0). It is called once the first block's fused GEMM is queued:
     the host's work before that GEMM is the GPU's idle time at the start of a call (on an H100,
     the targets' pass and its check took 0.3-0.4 ms of host time there; Phi 3.5 mini's loss and
-    gradients take 7.5 ms).
+    gradients take 7.5 ms). watch: gets every rank's count of bad targets (_BadTargets), after the
+    first block's all-reduce.
 
     Per block the fused GEMM writes W = exp(z - ref) (times the softcap's 1 - tanh^2) in the input
     dtype, ref being a per-row offset it picks within 44.4 nats of the row's largest logit on this
@@ -316,6 +383,7 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
         first_stats = kernels.logits_probs(e[:k], c, bias, targets[:k], start, buf[:k, :v], zt[:k],
                                            softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel)
     prepared = prepare()
+    bad = _BadTargets(prepared[2], comm, watch)  # sent with the first block's statistics
     raw, targets = targets, prepared[0]
     g_rows = torch.mul(prepared[1], prepared[3])
     zsum = torch.empty(n, **f32) if uniform else None
@@ -339,6 +407,7 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
     dc = alloc((v, d), device=c.device, dtype=dc_dtype) if cfg.need_dc else None
     db = torch.zeros(v, **f32) if cfg.need_db else None
     if n == 0 or v == 0:
+        bad.without_tokens()
         return lse, zt, zsum, de, dc, db, prepared
     # -U * sum over this rank's vocabulary of C (dE) and -sum_t U_t E_t on every row of dC (added once).
     csum = c.sum(dim=0, dtype=torch.float32) if fused and uniform and de is not None else None
@@ -379,7 +448,7 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
                                                   softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel)
             m = ref
             if comm.world > 1:  # the ranks' statistics: one MAX and one SUM all-reduce
-                m, s, zt[rows], zs = _combine(ref, s, zt[rows], zs, comm)
+                m, s, zt[rows], zs = _combine(ref, s, zt[rows], zs, comm, bad=bad)
             if zsum is not None:
                 zsum[rows] = zs
             k = rows.stop - t0
@@ -390,7 +459,7 @@ def one_pass(e, c, bias, targets, start, prepare, cfg: LossConfig, comm, *, main
             )
             continue
         logits_into(x, e_b, c)
-        m, se, zt[rows], zs = _stats_of_block(x, bias, t_b, cfg, comm)
+        m, se, zt[rows], zs = _stats_of_block(x, bias, t_b, cfg, comm, bad)
         lse[rows] = m + torch.log(se)
         if zsum is not None:
             zsum[rows] = zs
@@ -828,10 +897,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     start .. start + V_shard of the vocabulary; bias: [V_shard] or None; targets: [n], the
     caller's, flat and contiguous; prepare(): the targets' pass (ops/functional.py), returning
     (each token's row of c or -1 where another rank holds it or it is ignored, keep [n] bool: the
-    tokens that count, counts, grad_scale: fp32 [], 1 / kept for reductions "mean" and "none", 1
-    for "sum", times cfg.loss_scale). The one-pass gradients are those of grad_scale * the kept
-    tokens' loss, so that the usual upstream gradient, a mean's or Megatron's loss_mask / count
-    (times the expected loss scale), leaves nothing to rescale.
+    tokens that count, counts: int64 [2], kept tokens and kept ones outside [0, vocab), grad_scale:
+    fp32 [], 1 / kept for reductions "mean" and "none", 1 for "sum", times cfg.loss_scale). The
+    one-pass gradients are those of grad_scale * the kept tokens' loss, so that the usual upstream
+    gradient, a mean's or Megatron's loss_mask / count (times the expected loss scale), leaves
+    nothing to rescale. watch(bad): called once in the forward with every rank's count of kept
+    targets outside [0, vocab) (int64 [world], on the device; see _BadTargets), for the caller to
+    check on the host once the forward is queued.
     Ignored tokens go through the kernels with zero weight: no host sync decides which tokens
     count. c_main_grad: None, or a callable returning a buffer shaped like c into which the
     backward adds dC (Megatron's gradient-accumulation fusion); c then gets no gradient from the
@@ -839,18 +911,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, e, c, bias, targets, start: int, prepare: Callable, cfg: LossConfig, comm: Collectives,
-                sequence_parallel: bool, c_main_grad: Optional[Callable[[], torch.Tensor]] = None):
+    def forward(ctx, e, c, bias, targets, start: int, prepare: Callable, watch: Callable, cfg: LossConfig,
+                comm: Collectives, sequence_parallel: bool,
+                c_main_grad: Optional[Callable[[], torch.Tensor]] = None):
         ctx.set_materialize_grads(False)
         e_all = comm.gather_rows(e) if sequence_parallel else e
         de = dc = db = None
         if cfg.one_pass:
-            lse, zt, zsum, de, dc, db, prepared = one_pass(e_all, c, bias, targets, start, prepare, cfg, comm,
-                                                           main_grad=c_main_grad is not None)
+            lse, zt, zsum, de, dc, db, prepared = one_pass(e_all, c, bias, targets, start, prepare, watch, cfg,
+                                                           comm, main_grad=c_main_grad is not None)
             if de is not None:
                 de = _finish_de(de, comm, sequence_parallel)
         else:
             prepared = prepare()
+            _BadTargets(prepared[2], comm, watch).send_now(comm)  # before the GEMMs (see _BadTargets)
             m, se, zt, zsum = _combine(*local_stats(e_all, c, bias, prepared[0], cfg), comm)
             lse = m + torch.log(se)
         targets, keep, counts, grad_scale = prepared
@@ -960,7 +1034,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             db = db.to(bias.dtype) if db is not None and cfg.need_db else None
         if not cfg.need_dc or ctx.c_main_grad is not None:
             dc = None  # with c_main_grad, dC went into that buffer; c's .grad is left alone
-        return de if cfg.need_de else None, dc, db, None, None, None, None, None, None, None
+        return de if cfg.need_de else None, dc, db, None, None, None, None, None, None, None, None
 
 
 def _finish_de(de, comm, sequence_parallel):

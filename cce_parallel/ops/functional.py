@@ -147,36 +147,49 @@ def prepare_targets(
 
 
 class TargetCheck:
-    """The targets' counts on their way to the host: copied without blocking as soon as the targets'
-    pass is queued (`watch`, on the one-pass path after the first block's GEMM), read by
-    `raise_if_bad` after the loss's forward is queued. Waiting then costs the GPU no idle: the copy
-    sits ahead of most of the loss's kernels in the stream. Kernels treat a target outside
-    [0, vocab) like one held by another rank, so running them before the check is harmless."""
+    """Every tensor-parallel rank's count of bad targets on its way to the host: copied without
+    blocking as soon as they are known on the device (`watch`, called by the autograd Function:
+    after the targets' pass with one rank, after the first all-reduce with several; see
+    ops/autograd.py's _BadTargets), read by `raise_if_bad` after the loss's forward is queued.
+    Waiting then costs the GPU no idle: the copy sits ahead of most of the loss's kernels in the
+    stream. Every rank reads every rank's count, so they all raise, and none is left waiting for
+    the others in its next collective. Kernels treat a target outside [0, vocab) like one held by
+    another rank, so running them before the check is harmless."""
 
-    def __init__(self):
+    def __init__(self, rank: int = 0):
+        self.rank = rank
         self.event = self.host = None
 
-    def watch(self, counts: torch.Tensor):
-        if counts.is_cuda:
-            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.host.copy_(counts, non_blocking=True)
+    def watch(self, bad: torch.Tensor):
+        """bad: int64 [world], each rank's count of kept targets outside [0, vocab), in rank order."""
+        if bad.is_cuda:
+            self.host = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+            self.host.copy_(bad, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = counts
+            self.host = bad
 
     def raise_if_bad(self, targets, vocab_size: int, ignore_index: int):
-        """ValueError naming a target outside [0, vocab_size) that is not ignore_index."""
+        """ValueError naming a target outside [0, vocab_size) that is not ignore_index, on every rank
+        if any rank has one: the rank that has it names a value, the others name that rank."""
         if self.event is not None:
             self.event.synchronize()
-        n_bad = int(self.host[1])
-        if n_bad:
-            bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-            value = targets[bad].reshape(-1)[0].item()
+        counts = self.host.tolist()
+        if not any(counts):
+            return
+        rule = f"targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}"
+        ranks = [r for r, n in enumerate(counts) if n]
+        mine = counts[self.rank]
+        if not mine:
             raise ValueError(
-                f"targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
-                f"found {value} ({n_bad} such targets)"
+                f"{rule}; tensor-parallel rank(s) {ranks} have {sum(counts)} targets that do not "
+                f"(the error there names one); this rank ({self.rank}) has none"
             )
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+        value = targets[bad].reshape(-1)[0].item()
+        where = f" on tensor-parallel rank {self.rank}; rank(s) with any: {ranks}" if len(counts) > 1 else ""
+        raise ValueError(f"{rule}; found {value} ({mine} such targets{where})")
 
 
 def linear_cross_entropy(
@@ -274,16 +287,16 @@ def sharded_linear_cross_entropy(
     t2 = targets.reshape(-1).contiguous()
     use_triton = _triton_usable(impl, e.device, e.dtype)
     # The targets' pass runs inside the Function, on the one-pass path once the first block's GEMM
-    # is queued; its counts reach the host while the loss's kernels run, and are checked once they
-    # are queued: no host sync before the GPU has work. The one-pass gradients are made for the
-    # loss's mean over the kept tokens for reduction "none" too: Megatron's (loss * mask).sum() /
-    # mask.sum(), the mask folded into ignore_index, then needs no pass over dC in the backward.
-    check = TargetCheck()
+    # is queued; every rank's count of bad targets reaches the host while the loss's kernels run,
+    # and is checked once they are queued: no host sync before the GPU has work. The one-pass
+    # gradients are made for the loss's mean over the kept tokens for reduction "none" too:
+    # Megatron's (loss * mask).sum() / mask.sum(), the mask folded into ignore_index, then needs no
+    # pass over dC in the backward.
+    check = TargetCheck(comm.rank)
     loss_scale = autograd.loss_scale if bf16_dc else 1.0
 
     def prepare():
         prepared = prepare_targets(t2, ignore_index, vocab, vocab_start, shard, reduction != "sum", use_triton)
-        check.watch(prepared[2])
         if loss_scale != 1.0:  # the one-pass gradients are made for the expected upstream number
             prepared = (*prepared[:3], prepared[3] * loss_scale)
         return prepared
@@ -316,7 +329,8 @@ def sharded_linear_cross_entropy(
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
     loss, lse, counts = LinearCrossEntropyFunction.apply(
-        e2.contiguous(), c_k, bias_k, t2, vocab_start, prepare, cfg, comm, sequence_parallel, c_main_grad
+        e2.contiguous(), c_k, bias_k, t2, vocab_start, prepare, check.watch, cfg, comm, sequence_parallel,
+        c_main_grad,
     )
     check.raise_if_bad(targets, vocab, ignore_index)
     # Earlier backwards' reports (per-token weights, the loss scale), for the calls after this one:

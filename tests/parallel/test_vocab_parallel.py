@@ -12,7 +12,8 @@ relative to the norm of the whole gradient, also for a rank's shard (see shard_e
 - every rank must return bit-identical loss and lse, and without sequence_parallel a bit-identical
   ∇e (TP replicas of the backbone that get different gradients drift apart);
 - impl "exact" must be bit-identical across two runs;
-- bad shard layouts and ranks that disagree on shapes raise ValueError on EVERY rank, not a hang.
+- bad shard layouts and ranks that disagree on shapes raise ValueError on EVERY rank, not a hang;
+- so do targets outside the vocabulary on ONE rank only, on every path of the forward.
 
 The Triton impls run under the Triton interpreter (TRITON_INTERPRET=1 from tests/conftest.py,
 inherited by the spawned processes). With CCE_TEST_GPU=1 the small cases run on CUDA through
@@ -677,6 +678,197 @@ def test_bad_layout_raises_on_every_rank(name):
     if problems:
         detail = "" if name in outcome.merged() and outcome.ok else "\n" + outcome.describe()
         pytest.fail(f"{name}:\n" + "\n".join(problems) + detail, pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets out of range on ONE rank only: every rank raises ValueError, on every path of the forward.
+# Each rank's count of bad targets rides along the forward's first SUM all-reduce of statistics
+# (the one-pass paths) or takes a small all-reduce of its own before the GEMMs (the lean path):
+# before that, only the rank that held the bad target raised, and the others went on into their
+# next collective (the backward's, the barrier below) and waited there until the group's timeout.
+
+BAD_V, BAD_D, BAD_N = 32, 16, 12  # two shards of 16 rows; tiny: the interpreter is slow
+BAD_TIMEOUT_S = 20.0  # a rank left waiting in a collective fails the case after this, not CI's limit
+FINE = r"tensor-parallel rank\(s\) \[{ranks}\] have {count} targets that do not \(the error there names one\)"
+
+
+@dataclasses.dataclass(frozen=True)
+class BadCase:
+    name: str
+    bad: dict  # rank -> {token index: target value} written into that rank's targets
+    path: str  # the forward path the call takes: "one-pass", "two-pass variant" or "lean"
+    options: tuple = ()
+    grad: bool = True
+    sequence_parallel: bool = False
+
+    def expect(self, rank: int) -> str:
+        """A regex the ValueError's message on `rank` must match."""
+        rule = rf"\[0, {BAD_V}\) or equal ignore_index={self.ignore_index}"
+        if rank in self.bad:  # the value, how many of them, and where
+            values = self.bad[rank].values()
+            first = self.bad[rank][min(self.bad[rank])]
+            ranks = ", ".join(str(r) for r in sorted(self.bad))
+            return (
+                rf"{rule}; found {first} \({len(values)} such targets on tensor-parallel rank {rank}; "
+                rf"rank\(s\) with any: \[{ranks}\]\)"
+            )
+        ranks = ", ".join(str(r) for r in sorted(self.bad))
+        count = sum(len(v) for v in self.bad.values())
+        return f"{rule}; " + FINE.format(ranks=ranks, count=count)
+
+    @property
+    def ignore_index(self) -> int:
+        return dict(self.options).get("ignore_index", -100)
+
+
+BAD_CASES = {
+    case.name: case
+    for case in [
+        BadCase("one-pass-too-large-mean", {1: {3: BAD_V}}, "one-pass"),
+        BadCase("one-pass-negative-sum", {0: {5: -5}}, "one-pass", (("reduction", "sum"),)),
+        # 4 tokens per block (budget: 4 tokens x 16 rows x 4 bytes): the bad target in the last
+        # block, its count sent with the first block's statistics only.
+        BadCase("one-pass-blocks-none", {1: {10: BAD_V + 7, 11: -1}}, "one-pass",
+                (("reduction", "none"), ("logits_budget", 4 * 16 * 4))),
+        BadCase("one-pass-sequence-parallel", {1: {7: -2}}, "one-pass", sequence_parallel=True),
+        # softcap with label smoothing: fp32 logits and a statistics pass per block (_stats_of_block)
+        BadCase("two-pass-variant", {1: {0: BAD_V}}, "two-pass variant",
+                (("softcap", 5.0), ("label_smoothing", 0.1))),
+        BadCase("lean", {0: {2: BAD_V}}, "lean", (("logits_budget", "lean"), ("reduction", "none"))),
+        BadCase("lean-no-grad", {1: {2: -7}}, "lean", grad=False),
+        BadCase("torch-impl", {1: {4: BAD_V + 100}}, "lean", (("impl", "torch"),)),
+        BadCase("torch-impl-sequence-parallel", {0: {1: -3}}, "lean", (("impl", "torch"),),
+                sequence_parallel=True),
+        # -100 is an ordinary (bad) target when ignore_index is another number
+        BadCase("ignore-index-other", {1: {6: -100}}, "one-pass", (("ignore_index", -1),)),
+        BadCase("both-ranks", {0: {1: BAD_V}, 1: {9: -4, 10: -4}}, "one-pass"),
+    ]
+}
+
+
+def _bad_targets_worker(rank, world, report, names, device_type):
+    from cce_parallel.ops import autograd
+
+    paths = []
+    one_pass, local_stats = autograd.one_pass, autograd.local_stats
+
+    def spy_one_pass(e, *args, **kwargs):
+        cfg = next(a for a in args if isinstance(a, autograd.LossConfig))
+        fused = autograd.fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing)
+        paths.append("one-pass" if fused else "two-pass variant")
+        return one_pass(e, *args, **kwargs)
+
+    def spy_local_stats(*args):
+        paths.append("lean")
+        return local_stats(*args)
+
+    autograd.one_pass, autograd.local_stats = spy_one_pass, spy_local_stats
+    group = dist.group.WORLD
+    for name in names + ("fine-after",):
+        report.started(name)
+        case = BAD_CASES.get(name, BadCase("fine-after", {}, "one-pass"))
+        opts = {"impl": "cce_kahan_full_c", **dict(case.options)}
+        g = torch.Generator().manual_seed(11)  # the same inputs on every rank
+        e = torch.randn(BAD_N, BAD_D, generator=g)
+        c = torch.randn(BAD_V, BAD_D, generator=g) / math.sqrt(BAD_D)
+        targets = torch.randint(0, BAD_V, (BAD_N,), generator=g)
+        for i, value in case.bad.get(rank, {}).items():
+            targets[i] = value
+        rows = BAD_V // world
+        c = c[rank * rows:(rank + 1) * rows]
+        if case.sequence_parallel:  # [s, b] = [6, 2]: this rank's 3 rows of e, the targets of all 6
+            s_local = BAD_N // 2 // world
+            e = e.view(BAD_N // 2, 2, BAD_D)[rank * s_local:(rank + 1) * s_local]
+            targets = targets.view(-1, 2)
+        device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+        e, c, targets = e.to(device), c.to(device), targets.to(device)
+        e, c = e.requires_grad_(case.grad), c.requires_grad_(case.grad)
+        paths.clear()
+        try:
+            loss = cce_parallel.linear_cross_entropy(
+                e, c, targets, tp_group=group, sequence_parallel=case.sequence_parallel, **opts
+            )
+            if case.grad:
+                loss.sum().backward()  # the lean path's backward all-reduces dE
+            outcome = ("no error", f"returned {loss.detach().reshape(-1)[:3].tolist()}")
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            outcome = (type(exc).__name__, str(exc))
+        report.result(name, (*outcome, list(paths)))
+        # The next collective: a rank left behind by the others times out here.
+        dist.barrier(group)
+
+
+def _bad_case_runs(case: BadCase, impls) -> bool:
+    """Without the Triton impls (CCE_TEST_GPU=1 and fewer than 2 GPUs) only impl "torch" runs."""
+    return dict(case.options).get("impl", "cce_kahan_full_c") in impls
+
+
+@functools.cache
+def bad_targets_group():
+    backend, device_type, impls = small_setup(2)  # NCCL on 2 GPUs with CCE_TEST_GPU=1
+    names = tuple(name for name, case in BAD_CASES.items() if _bad_case_runs(case, impls))
+    # NCCL: a rank's first call may compile every Triton kernel while the other waits for it
+    timeout_s = BAD_TIMEOUT_S if backend == "gloo" else 600.0
+    outcome = spawn(
+        _bad_targets_worker, 2, (names, device_type), backend=backend, timeout=GROUP_TIMEOUT_S[backend],
+        collective_timeout=timeout_s, grace=5.0,
+    )
+    return outcome, impls
+
+
+@pytest.mark.parametrize("name", list(BAD_CASES))
+def test_bad_targets_on_one_rank_raise_on_every_rank(name):
+    """Targets outside [0, V) on one rank only (or different ones on each): every rank raises a
+    ValueError; the rank that has them names a value and their count, the others name that rank."""
+    case = BAD_CASES[name]
+    outcome, impls = bad_targets_group()
+    if not _bad_case_runs(case, impls):
+        pytest.skip("the Triton impls need the interpreter on CPU, or CCE_TEST_GPU=1 with 2 GPUs")
+    per_rank = outcome.merged().get(name, {})
+    problems = []
+    for rank in range(2):
+        if rank not in per_rank:
+            problems.append(f"rank {rank}: no outcome (hung or died before this case)")
+            continue
+        kind, msg, paths = per_rank[rank]
+        if paths != [case.path]:
+            problems.append(f"rank {rank}: the forward took {paths}, the case is for [{case.path!r}]")
+        if kind != "ValueError":
+            problems.append(f"rank {rank}: expected ValueError, got {kind}: {msg}")
+        elif not re.search(case.expect(rank), msg):
+            problems.append(f"rank {rank}: ValueError message {msg!r} does not match {case.expect(rank)!r}")
+    if problems:
+        pytest.fail(f"{name}:\n" + "\n".join(problems) + "\n" + outcome.describe(), pytrace=False)
+
+
+def test_group_usable_after_bad_targets():
+    """After all those errors, a call with good targets runs on every rank: no collective was left
+    half-done."""
+    outcome, _ = bad_targets_group()
+    per_rank = outcome.merged().get("fine-after", {})
+    assert outcome.ok and sorted(per_rank) == [0, 1], outcome.describe()
+    assert all(per_rank[r][0] == "no error" for r in per_rank), per_rank
+
+
+def test_bad_target_counts_are_exact_over_ranks():
+    """Each rank's count of bad targets travels as two fp32 numbers below 2^24 in its own slots:
+    summed over ranks, every rank reads every count exactly, also past fp32's 2^24."""
+    from cce_parallel.ops.autograd import Collectives, _BadTargets
+
+    world = 3
+    counts = [0, 2**40 + 2**24 + 3, 2**24 - 1]
+
+    class Rank(Collectives):
+        def __init__(self, rank):
+            self.rank, self.world, self.first = rank, world, rank == 0
+
+    seen, slots = [], []
+    for rank in range(world):
+        bad = _BadTargets(torch.tensor([7, counts[rank]]), Rank(rank), seen.append)
+        slots.append(bad.take())
+        assert slots[-1].dtype == torch.float32 and bad.take() is None
+    bad.summed(torch.stack(slots).sum(dim=0))
+    assert seen[0].dtype == torch.int64 and seen[0].tolist() == counts
 
 
 def test_sequence_parallel_needs_tp_group():
