@@ -115,6 +115,12 @@ def _match(value, annotation):
         return False, None
     if origin is typing.Literal:
         return value in typing.get_args(annotation) and not isinstance(value, bool), value
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            return False, None
+        matched = [_match(v, item_type) for v in value]
+        return all(ok for ok, _ in matched), [v for _, v in matched]
     if origin is dict:
         key_type, value_type = typing.get_args(annotation)
         if not isinstance(value, dict):
@@ -147,6 +153,8 @@ def _describe(annotation) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(annotation))
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(annotation)[0])}"
     if origin is dict:
         k, v = typing.get_args(annotation)
         return f"a mapping of {_describe(k)} to {_describe(v)}"

@@ -16,6 +16,7 @@ This module imports no torch and no kernels: a recipe validates anywhere.
 
 import dataclasses
 import math
+import signal
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -343,6 +344,11 @@ class TrainConfig(Section):
     stop_at: int | None = None
     """Stop after this step (saving a checkpoint) without changing the schedule, like Megatron-LM's
     --exit-interval; a later start resumes. None: run all steps."""
+    deterministic: bool = False
+    """Bitwise reproducible GPU runs (same recipe, seed and layout; a resumed run equals one that
+    never stopped): deterministic torch kernels (embedding and attention backward included),
+    megatron-core's deterministic_mode, a fixed NCCL algorithm (NCCL_ALGO=Ring unless set) and
+    CUBLAS_WORKSPACE_CONFIG. Costs some throughput (see docs). CPU runs are deterministic anyway."""
 
     def __post_init__(self):
         self._positive("steps", "micro_batch_size", "global_batch_size")
@@ -470,11 +476,29 @@ class CheckpointConfig(Section):
     resume: str = "auto"
     """``auto``: continue from the newest checkpoint in dir when there is one; ``never``: start
     fresh (refusing a dir that holds checkpoints); or the path of one checkpoint to start from."""
+    asynchronous: bool = True
+    """Write checkpoints in the background: training waits only while the state is copied to host
+    memory; the write, the checksums and the rename into place follow in a thread. The next save,
+    the end of the run or a signal waits for the one before. false: training waits for the write."""
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make the run finish its step, save, and exit 0 (a restart resumes); a second
+    one exits at once. SIGUSR1 is what launch/slurm.sbatch asks SLURM to send before the time
+    limit. [] leaves every signal's default action (SIGTERM kills the run)."""
+    signal_deadline_s: float | None = None
+    """After the first signal, exit at once (without a checkpoint) if the run has not finished
+    its save and exited within this many seconds; None: no deadline."""
 
     def __post_init__(self):
         self._non_negative("interval", "keep")
+        self._positive("signal_deadline_s", allow_none=True)
         if not self.resume:
             self._fail("resume", "must be 'auto', 'never' or a checkpoint path")
+        known = {s.name for s in signal.Signals} - {"SIGKILL", "SIGSTOP"}
+        for name in self.signals:
+            if name not in known:
+                self._fail("signals", f"{name!r} is not a signal that can be caught; e.g. SIGTERM, SIGUSR1")
+        if len(set(self.signals)) != len(self.signals):
+            self._fail("signals", "lists a signal twice")
 
 
 @dataclass

@@ -84,8 +84,10 @@ def main(argv=None) -> int:
         trainer = Trainer(recipe, device, command=shlex.join([sys.executable, "-m", "cce_parallel.train", *argv]))
         try:
             trainer.train()
-        finally:
-            trainer.close()
+        except BaseException:
+            trainer.close(failed=True)
+            raise
+        trainer.close()
     except RecipeError as err:
         _report("recipe", err, quiet)
         return 2

@@ -5,10 +5,10 @@ Each checkpoint ``<dir>/step_0000040/`` is one torch.distributed.checkpoint (DCP
 written by every rank in parallel (``*.distcp`` files and DCP's ``.metadata``), a small JSON file
 per state object, and ``meta.json``. The DCP state dict holds:
 
-    tp{t}_pp{p}/model/{chunk}/...   by data-parallel rank 0 of each (tp, pp) coordinate: the model
-                                    chunks' state dicts (weights in the model's dtype)
-    tp{t}_pp{p}/optim/...           by data-parallel rank 0: the optimizer (replicated over data
-                                    parallelism)
+    tp{t}_pp{p}/model/{chunk}/...   the model chunks' state dicts (weights in the model's dtype),
+                                    replicated over data parallelism: DCP writes each tensor once,
+                                    the writes spread over the data-parallel ranks
+    tp{t}_pp{p}/optim/...           the optimizer, likewise (replicated over data parallelism)
     rank{r}/optim/...               instead, with the distributed optimizer: every rank's shard
     rank{r}/rng/...                 every rank: numpy, torch (and CUDA + Megatron tracker) RNGs
 
@@ -46,17 +46,20 @@ all (every rank hashes a share of the files): with ``checkpoint.resume: auto`` a
 fails is skipped with a warning naming the bad file, and the newest one that passes is used (with
 ``checkpoint.keep`` >= 2 there is one to fall back to); a checkpoint named explicitly must pass.
 
-Every rank writes into ``.tmp_step_0000040``; after a barrier the files are hashed, rank 0 writes
-meta.json, renames the directory to ``step_0000040`` and then replaces ``latest`` (a one-line
-file naming it, for people and scripts) through a temporary file and ``os.replace``. A crash at
-any point leaves the earlier checkpoints intact. Resuming needs the same parallel layout (tp, pp,
-dp): the keys name the coordinates, so the checkpoint does not reshard.
+Every rank writes into ``.tmp_step_0000040``, in the background (``Checkpointer``: training waits
+only while the state is copied to host memory). Each file is hashed as DCP writes it; once every
+rank is done, rank 0 writes meta.json, renames the directory to ``step_0000040`` and then replaces
+``latest`` (a one-line file naming it, for people and scripts) through a temporary file and
+``os.replace``. A crash or kill at any point, during the background write too, leaves the earlier
+checkpoints intact; the next start removes the ``.tmp_`` leftovers. Resuming needs the same
+parallel layout (tp, pp, dp): the keys name the coordinates, so the checkpoint does not reshard.
 
 The run directory is locked (``.lock``, an exclusive ``flock`` held by rank 0 while it lives), so
 that a second run cannot write into it; the kernel drops the lock when its holder dies, even by
 SIGKILL, so a killed run never blocks its own restart.
 """
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -65,7 +68,9 @@ import pickle
 import random
 import shutil
 import socket
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -73,9 +78,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import parallel_state
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from cce_parallel.train.engine import inner_optimizers
@@ -150,7 +156,8 @@ def verify(path, *, share: tuple[int, int] = (0, 1)) -> dict:
     first bad file."""
     path = Path(path)
     meta = read_meta(path)
-    for name in sorted(meta["files"])[share[0]::share[1]]:
+    names = sorted(meta["files"])[share[0]::share[1]]
+    for name in names:
         file, expected = path / name, meta["files"][name]
         try:
             size = file.stat().st_size
@@ -158,8 +165,12 @@ def verify(path, *, share: tuple[int, int] = (0, 1)) -> dict:
             raise CheckpointError(f"{file} is missing") from None
         if size != expected["bytes"]:
             raise CheckpointError(f"{file} has {size} bytes, {expected['bytes']} were written (truncated or replaced)")
-        if _sha256(file) != expected["sha256"]:
-            raise CheckpointError(f"{file} is corrupt (sha256 mismatch)")
+    # hashlib releases the GIL on large buffers: the files hash in parallel, one thread each.
+    with ThreadPoolExecutor(max_workers=min(len(names), writer_threads()) or 1) as pool:
+        digests = list(pool.map(lambda name: _sha256(path / name), names))
+    for name, digest in zip(names, digests):
+        if digest != meta["files"][name]["sha256"]:
+            raise CheckpointError(f"{path / name} is corrupt (sha256 mismatch)")
     return meta
 
 
@@ -192,18 +203,6 @@ def newest_valid(directory, warn) -> Path | None:
     if found:
         raise CheckpointError(f"none of the {len(found)} checkpoints in {directory} is valid (see the warnings)")
     return None
-
-
-def _file_digests(directory: Path) -> dict:
-    """{name: {bytes, sha256}} of every file in directory, hashed in shares by the ranks (collective)."""
-    names = [sorted(p.name for p in directory.iterdir() if p.is_file()) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    names = names[0]
-    mine = {n: {"bytes": (directory / n).stat().st_size, "sha256": _sha256(directory / n)}
-            for n in names[dist.get_rank()::dist.get_world_size()]}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {name: digest for part in gathered for name, digest in part.items()}
 
 
 # -- the run directory lock -----------------------------------------------------------------
@@ -485,64 +484,277 @@ def _model_state(engine, tp: int, pp: int) -> dict:
     return state
 
 
-def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, keep: int = 0) -> Path:
-    """Write a checkpoint of the current state (collective: every rank calls it)."""
-    directory = Path(directory)
-    final = directory / step_name(step)
-    tmp = directory / f".tmp_{step_name(step)}"
-    rank = dist.get_rank()
-    tp, pp, dp = _coords()
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
+class _HashingStream:
+    """A file DCP writes into, hashed on the way (sha256): the checkpoint's digests cost no second
+    read of the files. DCP only appends (write, tell, fsync, close); a seek would break the hash,
+    so it marks the digest unusable and the file is hashed by reading it back instead."""
 
-    tensors, docs = {}, {}
-    docs[f"rank{rank}/rng"] = _encode(_rng_state(), f"rank{rank}/rng", tensors)
-    # Under FSDP2 every data-parallel rank holds a shard of each model and optimizer tensor
-    # (DTensors: DCP writes each shard once, under the shared key); data-parallel rank 0 writes
-    # the JSON, which records the full shapes. Under Megatron-FSDP every rank writes its own
-    # optimizer shards (main weights included) as plain tensors; the model's bf16 weights are
-    # copies of those main weights, rebuilt on load.
-    fsdp = _fsdp(engine)
-    sharded = fsdp == "torch"
-    if (dp == 0 or sharded) and fsdp != "megatron":
-        tensors.update(_model_state(engine, tp, pp))
-    if dp == 0 or sharded or _is_distributed_optimizer(engine.optimizer):
-        key = _optim_key(engine.optimizer, tp, pp, rank)
-        doc = _encode(_optimizer_state(engine.optimizer, fsdp), key, tensors)
-        if dp == 0 or not sharded:
-            docs[key] = doc
-    for key, doc in docs.items():
-        (tmp / _json_name(key)).write_text(json.dumps(doc))
-    dcp.save(tensors, checkpoint_id=str(tmp))
-    dist.barrier()
-    files = _file_digests(tmp)
-    if rank == 0:
+    def __init__(self, raw):
+        self.raw, self.digest, self.size, self.usable = raw, hashlib.sha256(), 0, True
+
+    def write(self, data) -> int:
+        self.digest.update(data)  # releases the GIL for large buffers: DCP's writer threads hash in parallel
+        self.size += memoryview(data).nbytes
+        return self.raw.write(data)
+
+    def seek(self, *args):
+        self.usable = False
+        return self.raw.seek(*args)
+
+    def __getattr__(self, name):  # tell, flush, fileno, close, ...
+        return getattr(self.raw, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording {file name: {bytes, sha256}} of every file it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream
+        if stream.usable:
+            with self._lock:
+                self.digests[Path(path).name] = {"bytes": stream.size, "sha256": stream.digest.hexdigest()}
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer (its files hashed as written, see _HashingFileSystem) that also stages:
+    ``async_save`` copies the state into host buffers through ``stage`` before it returns.
+
+    The host buffers persist from save to save, so a save's blocking time is one device-to-host
+    copy. Their first use would cost as much again: a fresh host page is slow to get (on 4x H200,
+    52 GB of new pages, pinned or not, took 17-21 s against 0.4-1.3 s for a copy into pages already
+    in use). So ``prepare`` allocates and touches them in a thread of its own once the state
+    exists (after the first step), while training goes on. They are plain pageable memory: pinning
+    them cost as much again the first time, to save under 1 s a copy."""
+
+    def __init__(self, path, **kwargs):
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+        self._host: dict | None = None
+        self._allocating: threading.Thread | None = None
+
+    def prepare(self, state_dict: dict):
+        """Start allocating host buffers shaped like state_dict (its tensors are not read)."""
+        if self._host is not None or self._allocating is not None:
+            return
+        layout = {k: (v.shape, v.dtype) for k, v in state_dict.items()}
+
+        def allocate():
+            host = _create_cpu_state_dict(state_dict)
+            for value in host.values():
+                (value._local_tensor if isinstance(value, DTensor) else value).zero_()  # fault the pages in
+            self._host = (layout, host)
+
+        self._allocating = threading.Thread(target=allocate, name="checkpoint-host-buffers", daemon=True)
+        self._allocating.start()
+
+    def stage(self, state_dict: dict) -> dict:
+        if self._allocating is not None:
+            self._allocating.join()
+            self._allocating = None
+        layout = {k: (v.shape, v.dtype) for k, v in state_dict.items()}
+        if self._host is None or self._host[0] != layout:
+            self._host = (layout, _create_cpu_state_dict(state_dict))
+        return _copy_state_dict(state_dict, self._host[1])
+
+
+def writer_threads() -> int:
+    """DCP writer threads (and files) per rank: the host's cores shared by its ranks, at most 8."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(8, (os.cpu_count() or 1) // max(local, 1)))
+
+
+class Checkpointer:
+    """Writes the run's checkpoints in the background (collective: every rank makes one and calls
+    it at the same steps; ``save`` then ``wait`` for a blocking save).
+
+    ``save`` blocks while the state is staged to host memory (buffers reused from save to save,
+    see _Writer), then DCP's ``async_save`` writes it from a thread of its own: every rank its share
+    (replicated tensors are written once, the writes balanced over the ranks that hold them),
+    in ``writer_threads()`` files per rank, each hashed as it is written. When all ranks are done,
+    the same thread gathers the digests, and rank 0 writes meta.json, renames the directory into
+    place and updates ``latest``. Until that rename the checkpoint is a ``.tmp_`` directory that
+    resuming ignores: a kill during the background write leaves the previous checkpoint the newest
+    valid one. The next ``save``, ``wait`` (end of the run, a signal) or ``close`` waits for the
+    one before; ``poll`` reports a finished one without waiting.
+    """
+
+    def __init__(self, directory, *, keep: int = 0):
+        self.directory, self.keep = Path(directory), keep
+        # A gloo group of its own: the background thread's collectives must not interleave with
+        # the training's on the default group (NCCL on GPUs, gloo on CPU); DCP needs a CPU group.
+        self.group = dist.new_group(backend="gloo")
+        self.rank = dist.get_rank()
+        self._writer = _Writer(self.directory, thread_count=writer_threads(), sync_files=True)
+        self._fs = self._writer.fs
+        self._pending: Future | None = None
+        if self.rank == 0:  # the leftovers of saves that a kill interrupted
+            for stale in list(self.directory.glob(".tmp_step_*")) + list(self.directory.glob(".old_step_*")):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def prepare(self, engine):
+        """Allocate the host buffers of later saves in the background (call once the optimizer
+        has its state, i.e. after the first step)."""
+        self._writer.prepare(_state_to_save(engine)[0])
+
+    def save(self, *, step: int, consumed_samples: int, engine, meta: dict) -> float:
+        """Start a checkpoint of the current state; returns the seconds training was blocked."""
+        start = time.perf_counter()
+        self.wait()
+        report = {"step": step, "path": str(self.directory / step_name(step)), "start": start}
+        tmp = self.directory / f".tmp_{step_name(step)}"
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        dist.barrier(group=self.group)
+        tensors, docs = _state_to_save(engine)
+        for key, doc in docs.items():
+            (tmp / _json_name(key)).write_text(json.dumps(doc))
+        # What meta.json records of this moment; the scheduler moves on while the files are written.
         record = dict(meta, format=FORMAT, step=step, consumed_samples=consumed_samples,
-                      scheduler=engine.scheduler.state_dict(), time=time.time(), files=files)
+                      scheduler=engine.scheduler.state_dict(), time=time.time())
         record = json.loads(json.dumps(record, default=str))  # the digest is of what the file holds
+        self._fs.digests = {}
+        staged = time.perf_counter()
+        written = dcp.async_save(tensors, checkpoint_id=str(tmp), storage_writer=self._writer, process_group=self.group)
+        now = time.perf_counter()
+        report.update(stage_s=now - staged, blocked_s=now - start)
+        done: Future = Future()
+        written.add_done_callback(lambda future: self._finish(future, done, tmp, record, report))
+        self._pending = done
+        return report["blocked_s"]
+
+    def _finish(self, written: Future, done: Future, tmp: Path, record: dict, report: dict):
+        """After DCP's write, in its thread: gather the digests, then rank 0 writes meta.json and
+        renames the checkpoint into place. Every rank ends with the same outcome in `done`."""
+        problem, digests = None, {}
+        try:
+            written.result()
+            digests = dict(self._fs.digests)
+            report["write_s"] = time.perf_counter() - report["start"] - report["blocked_s"]
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            problem = f"rank {self.rank}: the checkpoint write failed ({type(err).__name__}: {err})"
+        try:
+            gathered = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, (problem, digests), group=self.group)
+            problems = [p for p, _ in gathered if p]
+            if not problems and self.rank == 0:
+                try:
+                    known = {name: d for _, part in gathered for name, d in part.items()}
+                    report.update(self._publish(tmp, record, known))
+                except Exception as err:  # noqa: BLE001
+                    problems = [f"rank 0: publishing {tmp} failed ({type(err).__name__}: {err})"]
+            outcome = [problems, report]
+            dist.broadcast_object_list(outcome, src=dist.get_global_rank(self.group, 0), group=self.group)
+            problems, report = outcome
+            if problems:
+                raise CheckpointError(f"checkpoint of step {record['step']} not written: " + "; ".join(problems))
+            report["total_s"] = time.perf_counter() - report["start"]
+            done.set_result(report)
+        except Exception as err:  # noqa: BLE001 - the waiting thread raises it
+            done.set_exception(err)
+
+    def _publish(self, tmp: Path, record: dict, known: dict) -> dict:
+        """Rank 0: meta.json (digests of every file: as written where the writer hashed it, else
+        read back), then the atomic rename and ``latest``, then pruning to ``keep``."""
+        hashed = time.perf_counter()
+        files = {}
+        for file in sorted(p for p in tmp.iterdir() if p.is_file()):
+            size = file.stat().st_size
+            digest = known.get(file.name)
+            files[file.name] = digest if digest and digest["bytes"] == size else {"bytes": size, "sha256": _sha256(file)}
+        record = dict(record, files=files)
         record["sha256"] = _meta_digest(record)
         (tmp / META).write_text(json.dumps(record, indent=1))
-    dist.barrier()
-
-    if rank == 0:
-        stale = directory / f".old_{step_name(step)}"
+        _fsync_dir(tmp)
+        final = self.directory / tmp.name.removeprefix(".tmp_")
+        stale = self.directory / f".old_{final.name}"
         if final.exists():  # an earlier save of this step (a run restarted from an older checkpoint)
             shutil.rmtree(stale, ignore_errors=True)
             os.replace(final, stale)
         os.replace(tmp, final)
         shutil.rmtree(stale, ignore_errors=True)
-        pointer = directory / f".{LATEST}.tmp"
+        pointer = self.directory / f".{LATEST}.tmp"
         pointer.write_text(final.name + "\n")
-        os.replace(pointer, directory / LATEST)
-        if keep > 0:
-            for old in sorted(directory.glob("step_*"))[:-keep]:
+        os.replace(pointer, self.directory / LATEST)
+        _fsync_dir(self.directory)
+        published = time.perf_counter()
+        if self.keep > 0:
+            for old in sorted(self.directory.glob("step_*"))[:-self.keep]:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+        return {"bytes": sum(f["bytes"] for f in files.values()), "publish_s": published - hashed,
+                "prune_s": time.perf_counter() - published, "read_back": sorted(n for n in files if n not in known)}
+
+    def poll(self) -> dict | None:
+        """The report of a save that has finished since the last call (raises its error), else None."""
+        if self._pending is not None and self._pending.done():
+            return self.wait()
+        return None
+
+    def wait(self) -> dict | None:
+        """Wait for the save in flight; its report (step, path, bytes, blocked_s, write_s, ...) or None."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def close(self):
+        """Wait for the save in flight, then release the group."""
+        try:
+            self.wait()
+        finally:
+            dist.destroy_process_group(self.group)
+
+
+def _fsync_dir(path: Path):
+    """Make a rename or a new file in path durable (the files themselves are fsynced by DCP)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _state_to_save(engine) -> tuple[dict, dict]:
+    """(tensors for DCP, {key: JSON document}) of this rank's share of the state."""
+    rank = dist.get_rank()
+    tp, pp, dp = _coords()
+    tensors, docs = {}, {}
+    docs[f"rank{rank}/rng"] = _encode(_rng_state(), f"rank{rank}/rng", tensors)
+    # Every data-parallel rank offers its replica of the model (and of a replicated optimizer)
+    # under the same keys: DCP writes each such tensor once, the writes spread over those ranks.
+    # Under FSDP2 every data-parallel rank holds a shard of each (DTensors: DCP writes each shard
+    # under the shared key). Data-parallel rank 0 writes the JSON, which records the full shapes.
+    # Under Megatron-FSDP every rank writes its own optimizer shards (main weights included) as
+    # plain tensors; the model's bf16 weights are copies of those main weights, rebuilt on load.
+    fsdp = _fsdp(engine)
+    if fsdp != "megatron":
+        tensors.update(_model_state(engine, tp, pp))
+    key = _optim_key(engine.optimizer, tp, pp, rank)
+    doc = _encode(_optimizer_state(engine.optimizer, fsdp), key, tensors)
+    if dp == 0 or _is_distributed_optimizer(engine.optimizer) or fsdp == "megatron":
+        docs[key] = doc
+    return tensors, docs
+
+
+def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, keep: int = 0) -> Path:
+    """Write a checkpoint of the current state and wait for it (collective: every rank calls it)."""
+    saver = Checkpointer(directory, keep=keep)
+    try:
+        saver.save(step=step, consumed_samples=consumed_samples, engine=engine, meta=meta)
+    finally:
+        saver.close()
+    return Path(directory) / step_name(step)
 
 
 @torch.no_grad()  # copies into parameters

@@ -3,11 +3,21 @@
 Records of ``metrics.jsonl`` (one JSON object per line; rank 0 writes):
     {"kind": "meta", ...}                         once per start: recipe, layout, sizes, device, versions
     {"kind": "train", "step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s", "mfu",
-     "consumed_samples", "tokens"}                every step; at logging steps also
+     "consumed_samples", "tokens", "time"}        every step (time: wall clock); at logging steps also
      "peak_mem_per_rank" (bytes, list by global rank) and "peak_mem_max"
     {"kind": "eval", "step", "val_loss", "val_ppl", "val_tokens"}
-    {"kind": "checkpoint", "step", "path", "seconds"}
-    {"kind": "resume", "step", "path"}            a start that continued from a checkpoint
+    {"kind": "checkpoint_start", "step", "blocked_s", "waited_s"}
+                                                  a background save began: training was blocked
+                                                  blocked_s, waited_s of it for the save before
+    {"kind": "checkpoint", "step", "path", "seconds", "blocked_s", "stage_s", "write_s",
+     "publish_s", "total_s", "bytes", "write_gb_per_s", "read_back"}
+                                                  a checkpoint is complete: bytes of all its files,
+                                                  seconds from the save's start (total_s) and its
+                                                  parts; write_gb_per_s: bytes over the time after
+                                                  training went on; read_back: files hashed by
+                                                  reading them (the rest were hashed as written)
+    {"kind": "resume", "step", "path", "verify_s", "load_s"}
+                                                  a start that continued from a checkpoint
 A resumed run appends to the same file; readers keep the last record of each step.
 
 Peak memory is ``torch.cuda.max_memory_allocated`` per rank on GPUs, and the peak resident set
@@ -124,7 +134,7 @@ def _start_wandb(run_dir: Path, recipe_dict: dict, *, mode: str, project: str, n
 def read_metrics(path) -> dict:
     """{"meta": [...], "train": {step: record}, "eval": {step: record}, ...} from a metrics.jsonl;
     later records of a step (after a resume) replace earlier ones."""
-    out = {"meta": [], "train": {}, "eval": {}, "checkpoint": {}, "resume": {}}
+    out = {"meta": [], "train": {}, "eval": {}, "checkpoint_start": {}, "checkpoint": {}, "resume": {}}
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue

@@ -99,6 +99,8 @@ def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, in
         recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
         recompute_modules=m.recompute_module_list if m.recompute_granularity == "selective" else None,
+        # Megatron's own switch: Transformer Engine's deterministic kernels, no nondeterministic fusions.
+        deterministic_mode=recipe.train.deterministic,
     )
 
 

@@ -26,6 +26,7 @@ from cce_parallel.ops import autograd
 from cce_parallel.train import checkpoint, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine
+from cce_parallel.train.signals import StopOnSignal
 from cce_parallel.train.metrics import MetricsLogger, peak_memory_per_rank, peak_tflops
 from cce_parallel.train.model import (
     build_gpt,
@@ -63,6 +64,8 @@ def loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor, *, folded: bool 
 class Trainer:
     def __init__(self, recipe: Recipe, device: str, *, command: str = ""):
         self.recipe, self.device, self.command = recipe, device, command
+        # From here on a signal is noted (not fatal): the run saves after its first step and exits.
+        self.on_signal = StopOnSignal(recipe.checkpoint.signals, recipe.checkpoint.signal_deadline_s, device)
         self.layout = launch.init_distributed(recipe, device)
         self.rank0 = self.layout["rank"] == 0
         self.run_dir = Path(recipe.run.out_dir) / recipe.run.name
@@ -105,10 +108,15 @@ class Trainer:
             wandb_project=recipe.logging.wandb_project, run_name=recipe.run.name,
         )
         if resume_from is not None:
+            start = time.perf_counter()
             meta = checkpoint.load(resume_from, engine=self.engine, layout=self.layout)
             self.step = meta["step"]
-            self.metrics.print(f"resumed from {resume_from} at step {self.step}")
-            self.metrics.record("resume", step=self.step, path=str(resume_from))
+            seconds = time.perf_counter() - start
+            self.metrics.print(f"resumed from {resume_from} at step {self.step} (checked in {self._verify_s:.1f} s, "
+                               f"loaded in {seconds:.1f} s)")
+            self.metrics.record("resume", step=self.step, path=str(resume_from), verify_s=self._verify_s, load_s=seconds)
+        self.checkpointer = checkpoint.Checkpointer(self.ckpt_dir, keep=recipe.checkpoint.keep)
+        self.start_step = self.step
         self.flops_per_token = flops_per_token(recipe, self.vocab_size)
         self.peak_tflops = peak_tflops(recipe.logging.peak_tflops, device)
         self._record_meta(info)
@@ -130,6 +138,13 @@ class Trainer:
 
     def _find_resume(self) -> Path | None:
         """The checkpoint to resume from, checked (collective)."""
+        start = time.perf_counter()
+        try:
+            return self._checked_resume()
+        finally:
+            self._verify_s = time.perf_counter() - start
+
+    def _checked_resume(self) -> Path | None:
         resume = self.recipe.checkpoint.resume
         if resume == "never":
             if checkpoint.checkpoints(self.ckpt_dir):
@@ -238,7 +253,7 @@ class Trainer:
             "step": self.step, "loss": loss_sum / max(tokens, 1), "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "update": bool(ok),
             "step_time": step_time, "tokens_per_s": tokens_per_s, "mfu": mfu,
-            "consumed_samples": self.step * r.train.global_batch_size,
+            "consumed_samples": self.step * r.train.global_batch_size, "time": time.time(),
             "tokens": self.step * r.train.global_batch_size * r.model.seq_length,
         }
 
@@ -256,15 +271,41 @@ class Trainer:
         return {"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_tokens": int(tokens)}
 
     def save(self):
-        start = time.perf_counter()
+        """Start a checkpoint of this step; training goes on once the state is in host memory."""
         meta = {"layout": self.layout, "recipe": recipe_to_dict(self.recipe), "loss_impl": self.recipe.loss.impl}
-        path = checkpoint.save(
-            self.ckpt_dir, step=self.step, consumed_samples=self.step * self.recipe.train.global_batch_size,
-            engine=self.engine, meta=meta, keep=self.recipe.checkpoint.keep,
+        start = time.perf_counter()
+        self._log_saved(self.checkpointer.wait())  # the one before, unless it is done
+        waited = time.perf_counter() - start
+        blocked = waited + self.checkpointer.save(
+            step=self.step, consumed_samples=self.step * self.recipe.train.global_batch_size, engine=self.engine,
+            meta=meta,
         )
-        seconds = time.perf_counter() - start
-        self.metrics.record("checkpoint", step=self.step, path=str(path), seconds=seconds)
-        self.metrics.print(f"saved checkpoint {path} ({seconds:.1f} s)")
+        if self.recipe.checkpoint.asynchronous:
+            self.metrics.record("checkpoint_start", step=self.step, blocked_s=blocked, waited_s=waited)
+            self.metrics.print(f"checkpoint of step {self.step}: training blocked {blocked:.1f} s "
+                               f"({waited:.1f} s of it waiting for the previous one), writing in the background")
+        else:
+            self._log_saved(self.checkpointer.wait(), blocking=True)
+
+    def _log_saved(self, report: dict | None, *, blocking: bool = False):
+        """Log a checkpoint that has been written: how long training was blocked (blocking: the
+        whole save), how long the write took after that, and its throughput (the whole checkpoint
+        over all ranks)."""
+        if not report:
+            return
+        if blocking:
+            report["blocked_s"] = report["total_s"]
+        rate = report["bytes"] / max(report["total_s"] - (0.0 if blocking else report["blocked_s"]), 1e-9)
+        fields = dict(path=report["path"], seconds=report["blocked_s"], blocked_s=report["blocked_s"],
+                      stage_s=report["stage_s"], write_s=report["write_s"], publish_s=report["publish_s"],
+                      total_s=report["total_s"], bytes=report["bytes"], write_gb_per_s=rate / 1e9,
+                      prune_s=report["prune_s"], read_back=report["read_back"])
+        self.metrics.record("checkpoint", step=report["step"], **fields)
+        self.metrics.print(
+            f"saved checkpoint {report['path']}: {report['bytes'] / 1e9:.2f} GB, training blocked "
+            f"{report['blocked_s']:.1f} s (staging {report['stage_s']:.1f} s), written in {report['total_s']:.1f} s "
+            f"({rate / 1e9:.2f} GB/s; meta.json and rename {report['publish_s']:.2f} s)"
+        )
 
     def _eval_and_log(self):
         result = self.evaluate()
@@ -277,23 +318,39 @@ class Trainer:
         if self.step >= r.train.steps:
             self.metrics.print(f"nothing to do: the checkpoint is at step {self.step} of {r.train.steps}")
             return
-        while self.step < stop:
-            result = self.train_step()
-            if self.step % r.logging.interval == 0 or self.step in (1, stop):
-                result["peak_mem_per_rank"] = peak_memory_per_rank(self.device)
-                result["peak_mem_max"] = max(result["peak_mem_per_rank"])
-                self.metrics.train_line(dict(result, device=self.device), r.train.steps)
-            self.metrics.record("train", **result)
-            if not math.isfinite(result["loss"]):
-                raise FloatingPointError(f"the loss is {result['loss']} at step {self.step}")
-            if self.step == r.train.steps or (r.eval.interval and self.step % r.eval.interval == 0):
-                self._eval_and_log()
-            if self.step == stop or (r.checkpoint.interval and self.step % r.checkpoint.interval == 0):
-                self.save()
+        try:
+            while self.step < stop:
+                result = self.train_step()
+                if self.step % r.logging.interval == 0 or self.step in (1, stop):
+                    result["peak_mem_per_rank"] = peak_memory_per_rank(self.device)
+                    result["peak_mem_max"] = max(result["peak_mem_per_rank"])
+                    self.metrics.train_line(dict(result, device=self.device), r.train.steps)
+                self.metrics.record("train", **result)
+                if self.step == self.start_step + 1:
+                    self.checkpointer.prepare(self.engine)  # host buffers for the saves, in the background
+                if not math.isfinite(result["loss"]):
+                    raise FloatingPointError(f"the loss is {result['loss']} at step {self.step}")
+                self._log_saved(self.checkpointer.poll())
+                if r.checkpoint.signals and self.on_signal.agreed():
+                    self.save()
+                    self._log_saved(self.checkpointer.wait())
+                    self.metrics.print(f"stopped at step {self.step} on a signal, checkpoint written; start again to resume")
+                    return
+                if self.step == r.train.steps or (r.eval.interval and self.step % r.eval.interval == 0):
+                    self._eval_and_log()
+                if self.step == stop or (r.checkpoint.interval and self.step % r.checkpoint.interval == 0):
+                    self.save()
+            self._log_saved(self.checkpointer.wait())
+        finally:
+            self.on_signal.restore()
         if self.step < r.train.steps:
             self.metrics.print(f"stopped at step {self.step} (train.stop_at); start again to resume")
 
-    def close(self):
+    def close(self, *, failed: bool = False):
+        """Tear down. After a failure a checkpoint still being written is abandoned (the other
+        ranks may be gone); it stays a .tmp_ directory and the previous one stays the newest."""
+        if not failed:
+            self._log_saved(self.checkpointer.wait())
         self.metrics.close()
         if self._lock is not None:
             os.close(self._lock)

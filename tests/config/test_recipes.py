@@ -1,9 +1,11 @@
 """Recipes: every shipped recipe validates and dry-runs; broken recipes fail naming the key."""
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from cce_parallel.config import (
     CCE_IMPLS,
@@ -238,6 +240,9 @@ def _error(raw=None, overrides=(), world=None, device="cpu") -> str:
         ({"optim": {"lr": "fast"}}, "optim.lr: expected a number"),
         ({"loss": {"kernel_config": {"fwd_block_n": "64"}}}, "loss.kernel_config: expected a mapping"),
         ({"model": ["num_layers"]}, "model: must be a mapping"),
+        ({"checkpoint": {"signals": "SIGTERM"}}, "checkpoint.signals: expected a list of a string"),
+        ({"checkpoint": {"signals": ["SIGTERM", 15]}}, "checkpoint.signals: expected a list of a string"),
+        ({"train": {"deterministic": "yes"}}, "train.deterministic: expected a bool"),
     ],
 )
 def test_unknown_keys_and_wrong_types(raw, key):
@@ -284,6 +289,10 @@ def test_unknown_keys_and_wrong_types(raw, key):
         ({"model": {"recompute_granularity": "partial"}}, "model.recompute_granularity"),
         ({"model": {"rope_scaling_factor": 32.0}}, "model.rope_scaling_factor"),
         ({"model": {"position_embedding": "rope", "rope_scaling_factor": 0.0}}, "model.rope_scaling_factor"),
+        ({"checkpoint": {"signals": ["SIGTERN"]}}, "checkpoint.signals: 'SIGTERN' is not a signal"),
+        ({"checkpoint": {"signals": ["SIGKILL"]}}, "checkpoint.signals: 'SIGKILL' is not a signal that can be caught"),
+        ({"checkpoint": {"signals": ["SIGUSR1", "SIGUSR1"]}}, "checkpoint.signals: lists a signal twice"),
+        ({"checkpoint": {"signal_deadline_s": 0}}, "checkpoint.signal_deadline_s: must be > 0"),
     ],
 )
 def test_inconsistent_sizes(raw, key):
@@ -392,3 +401,35 @@ def test_data_dir_default():
     assert Recipe().data.resolved_dir() == "data/stdlib-bpe-1024"
     recipe = load_recipe(ROOT / "recipes" / "gpt2-small-owt.yaml")
     assert recipe.data.resolved_dir() == "data/openwebtext-hf_gpt2"
+
+
+def test_signal_lists_load_and_round_trip():
+    recipe = load_recipe(None, ["checkpoint.signals=[SIGUSR2]", "checkpoint.signal_deadline_s=90"])
+    assert recipe.checkpoint.signals == ["SIGUSR2"] and recipe.checkpoint.signal_deadline_s == 90.0
+    assert load_recipe(None, ["checkpoint.signals=[]"]).checkpoint.signals == []
+    assert Recipe().checkpoint.signals == ["SIGTERM", "SIGUSR1"]
+
+
+def test_allocator_default_keeps_the_users_setting(monkeypatch, capsys):
+    from cce_parallel.train import launch
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert "the train job's default" in launch.allocator_default()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "expandable_segments:True" in capsys.readouterr().out
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert "set by the user" in launch.allocator_default()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert "PYTORCH_ALLOC_CONF=expandable_segments:False (set by the user)" in launch.allocator_default()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_deterministic_mode_reaches_megatron():
+    from cce_parallel.train.model import transformer_config
+
+    for flag in (False, True):
+        recipe = load_recipe(None, [f"train.deterministic={str(flag).lower()}"])
+        assert transformer_config(recipe, dtype=torch.float32, cpu_init=True).deterministic_mode is flag

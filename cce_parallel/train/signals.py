@@ -1,0 +1,65 @@
+"""Preemption: a signal makes the run save at the next step boundary and exit 0.
+
+On the first of ``checkpoint.signals`` (default SIGTERM and SIGUSR1: what SLURM sends before a
+time limit or a preemption, and what torchrun forwards to its workers) each rank notes it. After
+every step the ranks take the maximum of their notes (one all-reduce of one number), so they all
+stop after the same step even when the signal reached them at different times. The trainer then
+saves, waits for the checkpoint, and exits 0; a restart resumes from it.
+
+A second signal exits at once (exit status 128 + its number), and so does the deadline
+``checkpoint.signal_deadline_s`` after the first, from a timer thread: a rank stuck in a collective
+never reaches the next step boundary. Signals within ``SAME_SIGNAL_S`` of the first count as that
+one: torchrun forwards to its workers a signal that SLURM also sent to them directly.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+SAME_SIGNAL_S = 2.0
+
+
+class StopOnSignal:
+    """Installs the handlers (main thread only); ``agreed()`` is the collective check."""
+
+    def __init__(self, names: list[str], deadline_s: float | None, device: str):
+        self.deadline_s, self.device = deadline_s, device
+        self.first: tuple[int, float] | None = None
+        self._previous = {}
+        for name in names:
+            number = signal.Signals[name]
+            self._previous[number] = signal.signal(number, self._handle)
+
+    def _handle(self, number: int, _frame):
+        now = time.monotonic()
+        if self.first is None:
+            self.first = (number, now)
+            print(f"received {signal.Signals(number).name}: saving after this step, then exiting "
+                  "(a second signal exits at once)", file=sys.stderr, flush=True)
+            if self.deadline_s:
+                timer = threading.Timer(self.deadline_s, self._exit, args=(number, "the deadline passed"))
+                timer.daemon = True
+                timer.start()
+        elif now - self.first[1] > SAME_SIGNAL_S:
+            self._exit(number, f"a second signal ({signal.Signals(number).name})")
+
+    @staticmethod
+    def _exit(number: int, why: str):
+        print(f"{why}: exiting at once, without a checkpoint", file=sys.stderr, flush=True)
+        os._exit(128 + number)
+
+    def agreed(self) -> bool:
+        """Whether any rank has received a signal (collective: every rank calls it after each step)."""
+        flag = torch.tensor([0.0 if self.first is None else 1.0],
+                            device=torch.cuda.current_device() if self.device == "cuda" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
