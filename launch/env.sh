@@ -18,6 +18,19 @@
 #                                      under SLURM, else nproc) over its processes (torchrun would
 #                                      otherwise set 1).
 #   PYTHONUNBUFFERED=1                 logs of all ranks appear as they are written.
+#   PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+#                                      the signals torchrun's agent catches and forwards to its
+#                                      workers (torchrun --signals-to-handle): its default plus
+#                                      SIGUSR1, which launch/slurm.sbatch has SLURM send before the
+#                                      time limit and on which the train job saves and exits 0.
+#                                      Not handled, SIGUSR1 would kill the agent, and the workers
+#                                      die with their agent. (Not TORCHELASTIC_SIGNALS_TO_HANDLE:
+#                                      torchrun overwrites that with this option's value. A torch
+#                                      without the option forwards only its default four.)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 seconds torchrun gives its workers after forwarding a
+#                                      signal before it SIGKILLs them (default 30: too short for
+#                                      the checkpoint save of a large model). A torch without
+#                                      torchrun --shutdown-timeout ignores it and keeps 30.
 #
 # Not set here; export them for your network (multi-node):
 #   NCCL_SOCKET_IFNAME=eth0            interface for NCCL's bootstrap and socket transport (the one
@@ -42,6 +55,8 @@ cce_env_defaults() {
     export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / procs > 0 ? cores / procs : 1 ))}"
     export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"
+    export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 }
 
 cce_env_report() {
@@ -49,7 +64,7 @@ cce_env_report() {
     local v
     for v in CUDA_VISIBLE_DEVICES CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_DEBUG \
         OMP_NUM_THREADS NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_DISABLE NCCL_IB_GID_INDEX \
-        NCCL_NVLS_ENABLE CCE_PARALLEL_DEVICE; do
+        NCCL_NVLS_ENABLE PET_SIGNALS_TO_HANDLE TORCH_ELASTIC_SHUTDOWN_TIMEOUT CCE_PARALLEL_DEVICE; do
         if [ -n "${!v+set}" ]; then
             echo "[launch] $v=${!v}"
         fi

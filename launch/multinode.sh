@@ -14,11 +14,18 @@
 # may be a range MIN:MAX for elastic starts. Every node must give the same RDZV_ID (default:
 # cce-<recipe name>; set a fresh one, e.g. a job id, when an old job may still be running).
 #
+# After a failure (a node lost, a rank killed: with MAX_RESTARTS=0 the other agents stop too, at
+# the latest when a collective times out), run the same command again on every node: the store
+# lived in an agent that has exited, so the same RDZV_ID starts a fresh rendezvous, and the run
+# resumes from its newest checkpoint (the train job's checkpoint.resume: auto).
+# tests/e2e/test_multinode.py does this with two agents on one host.
+#
 # The data directory (with its megatron_cache/) and the run directory must be on a filesystem
 # all nodes share: global rank 0 builds the sample indices, the other ranks read them.
 #
 # Environment: launch/env.sh sets CUDA_DEVICE_MAX_CONNECTIONS=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=1,
-# NCCL_DEBUG=WARN and OMP_NUM_THREADS, and lists what to export for your network, mainly:
+# NCCL_DEBUG=WARN, OMP_NUM_THREADS and torchrun's signal forwarding (SIGUSR1 included; 300 s
+# before SIGKILL), and lists what to export for your network, mainly:
 #   NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME   the interface that reaches the other nodes
 #   NCCL_IB_HCA, NCCL_IB_GID_INDEX            InfiniBand / RoCE adapters; NCCL_IB_DISABLE=1 for TCP only
 # Also:

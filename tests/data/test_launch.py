@@ -1,8 +1,14 @@
 """The launch scripts parse, and build the torchrun commands they document (CCE_DRY_RUN=1)."""
 
+import contextlib
+import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +124,191 @@ def test_slurm(recipe, tmp_path):
         f"-m cce_parallel.train --recipe {recipe}"
     )
     assert "[launch] OMP_NUM_THREADS=12" in done.stdout
+
+
+# -- slurm.sbatch under SLURM's signals ----------------------------------------------------------
+
+# srun: runs its command in its own place (same pid), so that a signal sent to srun reaches the
+# command, as the real srun forwards SIGUSR1/SIGTERM to its tasks.
+SRUN_STUB = """#!/usr/bin/env bash
+set -euo pipefail
+printf '%s\\n' "$*" >> "$STUB_DIR/srun.args"
+while [ $# -gt 0 ] && [[ "$1" == --* ]]; do
+    if [[ "$1" == *=* ]]; then shift; else shift 2; fi
+done
+exec "$@"
+"""
+
+# scontrol: records each call, with whether the worker had finished by then; SCONTROL_DELAY
+# seconds late with the host names (after touching scontrol.busy), for a signal during set-up.
+SCONTROL_STUB = """#!/usr/bin/env bash
+set -euo pipefail
+finished=no
+[ -e "$STUB_DIR/worker.done" ] && finished=yes
+printf '%s (worker finished: %s)\\n' "$*" "$finished" >> "$STUB_DIR/scontrol.args"
+if [ "$1 $2" = "show hostnames" ]; then
+    touch "$STUB_DIR/scontrol.busy"
+    sleep "${SCONTROL_DELAY:-0}"
+    echo localhost
+fi
+"""
+
+# The real torchrun agent, with the train job (-m cce_parallel.train) swapped for WORKER.
+TORCHRUN_WRAPPER = """import sys
+from torch.distributed.run import main
+
+args = sys.argv[1:]
+at = args.index("-m")
+main(args[:at] + [sys.argv[0].replace("torchrun_wrapper.py", "worker.py")] + args[at + 2:])
+"""
+
+# The train job's part: on SIGUSR1 or SIGTERM it "saves" (1 s) and exits 0; it gives up after 60 s.
+WORKER = """import json, os, signal, sys, time
+from pathlib import Path
+
+out = Path(os.environ["STUB_DIR"])
+got = []
+for sig in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(sig, lambda s, f: got.append(signal.Signals(s).name))
+(out / "worker.args").write_text(json.dumps(sys.argv[1:]))
+(out / "worker.pid").write_text(str(os.getpid()))
+(out / "worker.ready").touch()
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.02)
+if not got:
+    sys.exit(3)
+(out / "worker.signal").write_text(" ".join(got))
+time.sleep(1.0)
+(out / "worker.done").touch()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_job(recipe, tmp_path, **env_extra):
+    """slurm.sbatch (a copy, as sbatch runs it) under stub srun/scontrol, with TORCHRUN the real
+    torchrun agent running WORKER: (the process, its log)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in [("srun", SRUN_STUB), ("scontrol", SCONTROL_STUB)]:
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    for name, text in [("torchrun_wrapper.py", TORCHRUN_WRAPPER), ("worker.py", WORKER)]:
+        (tmp_path / name).write_text(text)
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "CCE_", "OMP_", "NCCL_", "RDZV", "PET_", "TORCHELASTIC_", "TORCH_ELASTIC_"))
+    }
+    env.update({
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "STUB_DIR": str(tmp_path),
+        "TORCHRUN": f"{sys.executable} {tmp_path / 'torchrun_wrapper.py'}",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "GPUS_PER_NODE": "1",
+        "MASTER_PORT": str(_free_port()),
+        **env_extra,
+    })
+    copy = tmp_path / "slurm_script"
+    shutil.copy(ROOT / "launch/slurm.sbatch", copy)
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen(["bash", str(copy), recipe, "--set", "train.steps=3"], cwd=tmp_path, env=env,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return job, log
+
+
+def _wait_for(path: Path, job, log: Path, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert job.poll() is None and time.monotonic() < deadline, f"no {path.name}:\n{log.read_text()}"
+        time.sleep(0.05)
+
+
+def _clean_up(job, tmp_path):
+    """Leftovers of a failure: the script's session (srun, torchrun), and the worker, which
+    torchrun starts in a session of its own."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    pid_file = tmp_path / "worker.pid"
+    if pid_file.exists():
+        pid = int(pid_file.read_text())
+        with contextlib.suppress(OSError):
+            if b"worker.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+    job.wait(timeout=10)
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_slurm_passes_signals_on_and_requeues_on_usr1(recipe, tmp_path, sig):
+    """The batch script under stub srun/scontrol and the real torchrun (env.sh's settings) running
+    a stand-in train job: SIGUSR1 to the batch script, as --signal=B:USR1@180 sends it, reaches
+    the worker through srun and torchrun; the script waits for the worker to finish its "save",
+    then calls `scontrol requeue <job id>` and exits 0. SIGTERM is passed on the same way, without
+    a requeue."""
+    job, log = _slurm_job(recipe, tmp_path)
+    try:
+        _wait_for(tmp_path / "worker.ready", job, log)
+        os.kill(job.pid, getattr(signal, f"SIG{sig}"))
+        job.wait(timeout=60)
+        finished_before_the_script = (tmp_path / "worker.done").exists()
+    finally:
+        _clean_up(job, tmp_path)
+
+    output = log.read_text()
+    assert (tmp_path / "worker.signal").exists(), f"the worker got no signal:\n{output}"
+    assert (tmp_path / "worker.signal").read_text() == f"SIG{sig}", output  # once, through torchrun
+    assert finished_before_the_script, f"the script exited before the worker had saved:\n{output}"
+    assert json.loads((tmp_path / "worker.args").read_text()) == ["--recipe", recipe, "--set", "train.steps=3"]
+    srun = (tmp_path / "srun.args").read_text().splitlines()
+    assert len(srun) == 1 and srun[0].startswith("--nodes 1 --ntasks-per-node 1 --kill-on-bad-exit=1 "), srun
+    assert "--rdzv-id 4242 --max-restarts 0 -m cce_parallel.train" in srun[0]
+    assert "[launch] PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in output.splitlines()
+    assert "[launch] TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300" in output.splitlines()
+    scontrol = (tmp_path / "scontrol.args").read_text().splitlines()
+    assert scontrol[0] == "show hostnames localhost (worker finished: no)"
+    if sig == "USR1":
+        assert scontrol[1:] == ["requeue 4242 (worker finished: yes)"], output
+        assert job.returncode == 0, output
+    else:
+        assert scontrol[1:] == [], output
+
+
+def test_env_defaults_are_what_torchrun_reads():
+    """env.sh's signal settings, as the installed torch reads them: torchrun's --signals-to-handle
+    (default from PET_SIGNALS_TO_HANDLE) includes SIGUSR1, and its shutdown timeout is 300 s."""
+    probe = (
+        "from torch.distributed.run import get_args_parser; from torch.distributed.launcher.api import LaunchConfig\n"
+        "args = get_args_parser().parse_args(['x.py'])\n"
+        "print(args.signals_to_handle, LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout)\n"
+    )
+    script = f'source launch/env.sh && cce_env_defaults 1 && exec "{sys.executable}" -c "$0"'
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCH_ELASTIC_"))}
+    done = subprocess.run(["bash", "-c", script, probe], cwd=ROOT, env=base, capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.split() == ["SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "300"]
+
+
+def test_slurm_usr1_during_set_up_requeues_without_starting(recipe, tmp_path):
+    """SIGUSR1 while the script is still setting up (here: a slow scontrol): no run is started
+    (the time limit is near), the job is requeued, and the script exits 0."""
+    job, log = _slurm_job(recipe, tmp_path, SCONTROL_DELAY="1")
+    try:
+        _wait_for(tmp_path / "scontrol.busy", job, log)
+        os.kill(job.pid, signal.SIGUSR1)
+        job.wait(timeout=30)
+    finally:
+        _clean_up(job, tmp_path)
+    output = log.read_text()
+    assert job.returncode == 0, output
+    assert not (tmp_path / "srun.args").exists(), output
+    assert (tmp_path / "scontrol.args").read_text().splitlines() == [
+        "show hostnames localhost (worker finished: no)", "requeue 4242 (worker finished: no)"
+    ], output

@@ -54,22 +54,12 @@ def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=Non
 def kill_after_checkpoint(overrides, run_dir: Path, *, min_step: int, env=None, timeout: float = 240, poll: float = 0.05):
     """Start a torchrun run and SIGKILL it, torchrun and every rank as a node failure would, once it
     has a checkpoint and has logged step min_step: (the last step logged, the run's output)."""
-    from cce_parallel.train.metrics import read_metrics
-
     proc = subprocess.Popen(
         train_command(overrides), cwd=ROOT, env=env or train_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
-    killed_at = None
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            path = run_dir / "metrics.jsonl"
-            steps = read_metrics(path)["train"] if path.exists() else {}
-            if (run_dir / "checkpoints" / "latest").exists() and max(steps, default=0) >= min_step:
-                killed_at = max(steps)
-                break
-            time.sleep(poll)
+        killed_at = wait_for_checkpoint_and_step(run_dir, min_step, [proc], timeout=timeout, poll=poll)
     finally:
         # The ranks first: torchrun starts its workers in sessions of their own, so killing its
         # process group would leave them running.
@@ -80,6 +70,24 @@ def kill_after_checkpoint(overrides, run_dir: Path, *, min_step: int, env=None, 
     if killed_at is None:
         pytest.fail(f"the run never got past step {min_step} (exit {proc.returncode}):\n{output[-4000:]}")
     return killed_at, output
+
+
+def wait_for_checkpoint_and_step(run_dir: Path, min_step: int, procs, *, timeout: float, poll: float = 0.05):
+    """Poll run_dir until it has a checkpoint and its metrics.jsonl has logged step min_step: the
+    last step logged then, or None if any of procs exited or timeout seconds passed first."""
+    from cce_parallel.train.metrics import read_metrics
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(proc.poll() is None for proc in procs):
+        path = run_dir / "metrics.jsonl"
+        try:
+            steps = read_metrics(path)["train"] if path.exists() else {}
+        except ValueError:  # caught rank 0 half-way through a line
+            steps = {}
+        if (run_dir / "checkpoints" / "latest").exists() and max(steps, default=0) >= min_step:
+            return max(steps)
+        time.sleep(poll)
+    return None
 
 
 def _descendants(pid: int) -> list[int]:
