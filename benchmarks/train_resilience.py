@@ -1,0 +1,265 @@
+"""What do background checkpoints, a preemption signal and deterministic mode cost a real run?
+
+Runs the Gemma 2 2B recipe (tp1 x dp NPROC, distributed optimizer, micro-batch 4) for --steps
+steps per run, each one torchrun launch, on offline data (stdlib text; the model keeps Gemma's
+256,000-row vocabulary), and writes ``OUT/train_resilience_<gpu>_<yyyymmdd>.{json,md}``:
+
+    throughput    "plain": no checkpoint until the last step; "saving": a checkpoint every
+                  --save-every steps (in the background), and SIGTERM to torchrun once
+                  --signal-at steps are logged (the ranks save at the next step and exit), then
+                  restarted to the end. Reports tokens/s over steps 2 to --signal-at (wall clock:
+                  saves and waits for them included), the blocking time, the background write
+                  time and throughput of each checkpoint, and the resume's check and load times.
+    determinism   train.deterministic: runs "det-a" and "det-b" uninterrupted, and "det-sig":
+                  SIGTERM to torchrun once --signal-at steps are logged (the ranks save at the
+                  next step and exit), then restarted to the end. Reports whether the per-step
+                  losses and gradient norms of the three are bitwise equal, and the tokens/s
+                  of det-a against plain (when both are in the same --out).
+
+    python benchmarks/train_resilience.py --phase throughput --out OUT
+    python benchmarks/train_resilience.py --phase determinism --out OUT     # then: --phase report
+
+CPU smoke test of the plumbing: --recipe recipes/tiny.yaml --nproc 2 --steps 6 --save-every 2
+--signal-at 3 --extra data.vocab_size=1024 model.vocab_size=null train.global_batch_size=8
+
+Each phase adds its runs' metrics to OUT/runs.json, so the phases can go in separate launches;
+``--phase report`` writes the report from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cce_parallel.train.metrics import read_metrics  # noqa: E402
+
+
+def common(args) -> list[str]:
+    work = Path(args.work)
+    return [
+        f"run.out_dir={work / 'runs'}", "run.seed=1234",
+        "data.source=stdlib", "data.tokenizer=bpe", "data.vocab_size=8192", f"data.dir={work / 'data'}",
+        "model.vocab_size=256000",
+        f"train.steps={args.steps}", "train.micro_batch_size=4", f"train.global_batch_size={16 * args.nproc}",
+        "optim.warmup_steps=5", "eval.interval=0", "eval.iters=1", "logging.interval=5", "logging.wandb=disabled",
+        "checkpoint.keep=2", *args.extra,
+    ]
+
+
+def launch(args, name: str, extra: list[str], *, signal_at: int | None = None) -> dict:
+    """One torchrun launch of the recipe; with signal_at, SIGTERM to torchrun once that step is
+    logged. Returns {exit, seconds, signalled_at}."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "cce_parallel.train", "--recipe", args.recipe,
+           "--set", *common(args), f"run.name={name}", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
+    print(f"=== {name}: {' '.join(extra)} ({time.strftime('%H:%M:%S')})", flush=True)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    signalled = None
+    metrics = Path(args.work) / "runs" / name / "metrics.jsonl"
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - start > args.launch_timeout:
+                proc.send_signal(signal.SIGKILL)
+                break
+            if signal_at is not None and signalled is None and metrics.exists():
+                steps = read_metrics(metrics)["train"]
+                if max(steps, default=0) >= signal_at:
+                    signalled = max(steps)
+                    print(f"=== {name}: SIGTERM to torchrun after step {signalled}", flush=True)
+                    proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return {"exit": proc.returncode, "seconds": time.monotonic() - start, "signalled_at": signalled}
+
+
+def collect(args, name: str, launches: list[dict]) -> dict:
+    path = Path(args.work) / "runs" / name / "metrics.jsonl"
+    m = read_metrics(path)
+    return {"name": name, "launches": launches, "meta": m["meta"][-1] if m["meta"] else None,
+            "train": m["train"], "checkpoint": m["checkpoint"], "checkpoint_start": m["checkpoint_start"],
+            "resume": m["resume"]}
+
+
+def save_runs(out: Path, runs: list[dict]):
+    path = out / "runs.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known.update({r["name"]: r for r in runs})
+    path.write_text(json.dumps(known, indent=1))
+
+
+def phase_throughput(args, out: Path):
+    """plain, then saving (SIGTERM after --signal-at steps: the save on a signal, on every GPU),
+    then saving resumed to the end (the checks' and the load's times)."""
+    save_runs(out, [collect(args, "plain", [launch(args, "plain", ["checkpoint.interval=0"])])])
+    saving = [f"checkpoint.interval={args.save_every}"]
+    first = launch(args, "saving", saving, signal_at=args.signal_at)
+    save_runs(out, [collect(args, "saving", [first])])
+    save_runs(out, [collect(args, "saving", [first, launch(args, "saving", saving)])])
+
+
+def phase_determinism(args, out: Path):
+    det = ["train.deterministic=true", "checkpoint.interval=0"]
+    for name in ("det-a", "det-b"):
+        save_runs(out, [collect(args, name, [launch(args, name, det)])])
+    first = launch(args, "det-sig", det, signal_at=args.signal_at)
+    save_runs(out, [collect(args, "det-sig", [first])])
+    save_runs(out, [collect(args, "det-sig", [first, launch(args, "det-sig", det)])])
+
+
+def tokens_per_s(run: dict, first: int = 1, last: int | None = None) -> float:
+    """Tokens of the steps after `first` up to `last` over the wall-clock time from the end of
+    step `first` to the end of step `last`: saves, and waits for them, included."""
+    steps = [s for s in sorted(run["train"], key=int) if int(s) >= first and (last is None or int(s) <= last)]
+    recipe = run["meta"]["recipe"]
+    tokens = (len(steps) - 1) * recipe["train"]["global_batch_size"] * recipe["model"]["seq_length"]
+    return tokens / (run["train"][steps[-1]]["time"] - run["train"][steps[0]]["time"])
+
+
+def report(out: Path, recipe: str, note: str = "") -> int:
+    runs = json.loads((out / "runs.json").read_text())
+    meta = next(r["meta"] for r in runs.values() if r["meta"])
+    gpu = meta["device_name"]
+    world = meta["layout"]["world"]
+    day = _dt.datetime.fromtimestamp(meta["time"], tz=_dt.timezone.utc).date()  # of the runs, not of rendering
+    date = day.strftime("%Y%m%d")
+    lines = [f"# Checkpoints, signals and deterministic mode: {recipe}, {world}x {gpu}", "",
+             f"- commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
+             f"{day.isoformat()}" + (f"; {note}" if note else ""),
+             f"- tp {meta['layout']['tp']} x dp {meta['layout']['dp']}, distributed optimizer "
+             f"{meta['recipe']['parallel']['distributed_optimizer']}, micro-batch "
+             f"{meta['recipe']['train']['micro_batch_size']}, {meta['layout']['accumulation']} micro-batches per step, "
+             f"seq {meta['recipe']['model']['seq_length']}; {meta['params_total'] / 1e6:.0f}M parameters",
+             "- command: `python benchmarks/train_resilience.py --phase throughput|determinism` "
+             "(tokens/s: wall clock from the end of step 1 to the end of the last, saves included)", ""]
+    summary = {"gpu": gpu, "world": world, "recipe": recipe, "commit": meta.get("commit"), "note": note, "date": date,
+               "runs": {}}
+    if "plain" in runs and "saving" in runs:
+        # Up to the step the signal came after (the run stopped one step later). Unless the save on
+        # the signal was written, the restart redid steps from an older checkpoint, whose records
+        # replaced the first launch's: then there is no wall-clock span to measure.
+        sig = runs["saving"]["launches"][0]
+        last = sig["signalled_at"]
+        saved = [int(k) for k in runs["saving"]["checkpoint"] if last is not None and int(k) > last]
+        signal_saved = bool(saved) and min(saved) == last + 1 and runs["saving"]["resume"].get(str(last + 1))
+        lines += ["## Background checkpoints", ""]
+        if signal_saved:
+            plain, saving = tokens_per_s(runs["plain"], last=last), tokens_per_s(runs["saving"], last=last)
+            summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": saving, "ratio": saving / plain}
+            lines += [f"Tokens/s over steps 2 to {last}, wall clock:", "",
+                      "| run | tokens/s | ratio |", "|---|---|---|",
+                      f"| no checkpoint | {plain:,.0f} | 1.000 |",
+                      f"| a checkpoint every {_interval(runs['saving'])} steps | {saving:,.0f} | {saving / plain:.3f} |", ""]
+        else:
+            plain = tokens_per_s(runs["plain"], last=last)
+            summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": None, "ratio": None}
+            lines += [f"No checkpoint was saved on the signal after step {last}, so the restart redid steps and "
+                      f"the saving run's tokens/s is not measured. Without checkpoints: {plain:,.0f} tokens/s "
+                      f"(steps 2 to {last}).", ""]
+        lines += [
+                  "| step | GB | training blocked s (waiting for the previous save) | staging s | background write s "
+                  "| GB/s (write) | meta.json + rename s | pruning s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        done, begun = runs["saving"]["checkpoint"], runs["saving"]["checkpoint_start"]
+        for k in sorted(set(done) | set(begun), key=int):
+            started, c = begun.get(k, {}), done.get(k)
+            if c is None:
+                lines.append(f"| {k} | | {started['blocked_s']:.2f} ({started['waited_s']:.2f}) | not completed | | | | |")
+                continue
+            lines.append(f"| {k} | {c['bytes'] / 1e9:.1f} | {started.get('blocked_s', c['blocked_s']):.2f} "
+                         f"({started.get('waited_s', 0.0):.2f}) | {c['stage_s']:.2f} | {c['total_s'] - c['blocked_s']:.1f} "
+                         f"| {c['write_gb_per_s']:.2f} | {c['publish_s']:.2f} | {c.get('prune_s', 0.0):.2f} |")
+        restart = runs["saving"]["launches"][-1]
+        lines += ["", f"SIGTERM to torchrun after step {last}: checkpoint of step {last + 1} "
+                      f"{'written' if signal_saved else 'NOT written'}; torchrun's exit status {sig['exit']} "
+                      f"(it exits 1 after forwarding a signal); the restart resumed from step(s) "
+                      f"{list(runs['saving']['resume'])} and exited {restart['exit']}."]
+        for k, r in runs["saving"]["resume"].items():
+            lines += ["", f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
+                          f"{r['load_s']:.1f} s."]
+        lines.append("")
+    det = [n for n in ("det-a", "det-b", "det-sig") if n in runs]
+    if det:
+        steps = sorted(runs["det-a"]["train"], key=int)
+        same = {n: all(runs[n]["train"].get(s, {}).get(k) == runs["det-a"]["train"][s][k]
+                       for s in steps for k in ("loss", "grad_norm")) for n in det}
+        sig = runs.get("det-sig", {})
+        resumed_at = list(sig.get("resume", {}))
+        summary["determinism"] = {"steps": len(steps), "bitwise_equal_to_det_a": same,
+                                  "signalled_at": [x["signalled_at"] for x in sig.get("launches", [])],
+                                  "exits": [x["exit"] for x in sig.get("launches", [])], "resumed_at": resumed_at}
+        lines += ["## Deterministic mode (train.deterministic: true)", "",
+                  f"Per-step loss and gradient norm over {len(steps)} steps, compared bit for bit with det-a:", "",
+                  "| run | bitwise equal to det-a |", "|---|---|"]
+        lines += [f"| {n} | {'yes' if same[n] else 'NO'} |" for n in det]
+        if sig:
+            lines += ["", f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
+                          f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}."]
+        if "plain" in runs:
+            d, p = tokens_per_s(runs["det-a"]), tokens_per_s(runs["plain"])
+            summary["determinism"].update(tokens_per_s=d, plain_tokens_per_s=p, ratio=d / p)
+            lines += ["", f"Throughput: {d:,.0f} tokens/s against {p:,.0f} without deterministic mode ({d / p:.3f}x)."]
+        lines.append("")
+    for name, r in runs.items():
+        ts = [r["train"][s]["grad_norm"] for s in sorted(r["train"], key=int)[:3]]
+        summary["runs"][name] = {"launches": r["launches"], "tokens_per_s": tokens_per_s(r), "first_grad_norms": ts}
+    stem = out / f"train_resilience_{_gpu_tag(gpu, world)}_{date}"
+    stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+def _interval(run: dict) -> int:
+    return run["meta"]["recipe"]["checkpoint"]["interval"]
+
+
+def _gpu_tag(name: str, world: int) -> str:
+    tag = next((t for t in ("h200", "h100", "a100", "b200") if t in name.lower()), "gpu")
+    return f"{tag}x{world}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", choices=("throughput", "determinism", "report"), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/cce_resilience")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--signal-at", type=int, default=15)
+    p.add_argument("--launch-timeout", type=float, default=300)
+    p.add_argument("--recipe", default="recipes/gemma-2b-owt.yaml")
+    p.add_argument("--extra", nargs="*", default=[], help="more --set overrides, applied after the script's")
+    p.add_argument("--note", default="", help="a line for the report's header (e.g. what the code was)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "report":
+        return report(out, args.recipe, args.note)
+    # Prepared once (tokenizer training and tokenization), before any torchrun launch.
+    prep = [sys.executable, "-m", "cce_parallel.train", "--recipe", args.recipe, "--prepare-data",
+            "--set", *common(args)]
+    subprocess.run(prep, cwd=ROOT, check=True)
+    (phase_throughput if args.phase == "throughput" else phase_determinism)(args, out)
+    return report(out, args.recipe, args.note)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
