@@ -8,7 +8,8 @@ per state object, and ``meta.json``. The DCP state dict holds:
     tp{t}_pp{p}/model/{chunk}/...   the model chunks' state dicts (weights in the model's dtype),
                                     replicated over data parallelism: DCP writes each tensor once,
                                     the writes spread over the data-parallel ranks
-    tp{t}_pp{p}/optim/...           the optimizer, likewise (replicated over data parallelism)
+    tp{t}_pp{p}/optim/...           by data-parallel rank 0: the optimizer (replicated over data
+                                    parallelism)
     rank{r}/optim/...               instead, with the distributed optimizer: every rank's shard
     rank{r}/rng/...                 every rank: numpy, torch (and CUDA + Megatron tracker) RNGs
 
@@ -731,19 +732,23 @@ def _state_to_save(engine) -> tuple[dict, dict]:
     tp, pp, dp = _coords()
     tensors, docs = {}, {}
     docs[f"rank{rank}/rng"] = _encode(_rng_state(), f"rank{rank}/rng", tensors)
-    # Every data-parallel rank offers its replica of the model (and of a replicated optimizer)
-    # under the same keys: DCP writes each such tensor once, the writes spread over those ranks.
-    # Under FSDP2 every data-parallel rank holds a shard of each (DTensors: DCP writes each shard
-    # under the shared key). Data-parallel rank 0 writes the JSON, which records the full shapes.
-    # Under Megatron-FSDP every rank writes its own optimizer shards (main weights included) as
-    # plain tensors; the model's bf16 weights are copies of those main weights, rebuilt on load.
+    # Every data-parallel rank offers its replica of the model under the same keys: DCP writes each
+    # such tensor once, the writes spread over those ranks. A replicated optimizer (no distributed
+    # optimizer) comes from data-parallel rank 0 alone: offered by every rank, its 12 bytes per
+    # parameter would be staged in host memory on every rank. Under FSDP2 every data-parallel rank
+    # holds a shard of each tensor (DTensors: DCP writes each shard under the shared key), and
+    # data-parallel rank 0 writes the JSON, which records the full shapes. Under Megatron-FSDP every
+    # rank writes its own optimizer shards (main weights included) as plain tensors; the model's
+    # bf16 weights are copies of those main weights, rebuilt on load.
     fsdp = _fsdp(engine)
+    sharded = fsdp == "torch"
     if fsdp != "megatron":
         tensors.update(_model_state(engine, tp, pp))
-    key = _optim_key(engine.optimizer, tp, pp, rank)
-    doc = _encode(_optimizer_state(engine.optimizer, fsdp), key, tensors)
-    if dp == 0 or _is_distributed_optimizer(engine.optimizer) or fsdp == "megatron":
-        docs[key] = doc
+    if dp == 0 or sharded or _is_distributed_optimizer(engine.optimizer):
+        key = _optim_key(engine.optimizer, tp, pp, rank)
+        doc = _encode(_optimizer_state(engine.optimizer, fsdp), key, tensors)
+        if dp == 0 or not sharded:
+            docs[key] = doc
     return tensors, docs
 
 
