@@ -33,7 +33,6 @@ import datetime as _dt
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cce_parallel.train.metrics import read_metrics  # noqa: E402
+from cce_parallel.train.metrics import read_metrics
 
 
 def common(args) -> list[str]:

@@ -61,6 +61,7 @@ SIGKILL, so a killed run never blocks its own restart.
 """
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import json
@@ -541,7 +542,7 @@ class _Writer(FileSystemWriter):
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)
         self.fs = _HashingFileSystem()
-        self._host: dict | None = None
+        self._host: tuple[dict, dict] | None = None  # (shapes and dtypes by key, the buffers)
         self._allocating: threading.Thread | None = None
 
     def prepare(self, state_dict: dict):
@@ -590,11 +591,11 @@ class Checkpointer:
     one before; ``poll`` reports a finished one without waiting.
     """
 
-    def __init__(self, directory, *, keep: int = 0):
+    def __init__(self, directory, *, keep: int = 0, timeout: datetime.timedelta | None = None):
         self.directory, self.keep = Path(directory), keep
         # A gloo group of its own: the background thread's collectives must not interleave with
         # the training's on the default group (NCCL on GPUs, gloo on CPU); DCP needs a CPU group.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.rank = dist.get_rank()
         self._writer = _Writer(self.directory, thread_count=writer_threads(), sync_files=True)
         self._fs = self._writer.fs

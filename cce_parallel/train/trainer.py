@@ -7,6 +7,7 @@ vocab_parallel_cross_entropy), masked by the dataset's loss_mask, summed, and re
 token count; the schedule divides by the token count and the number of micro-batches.
 """
 
+import datetime
 import functools
 import math
 import os
@@ -26,7 +27,6 @@ from cce_parallel.ops import autograd
 from cce_parallel.train import checkpoint, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine
-from cce_parallel.train.signals import StopOnSignal
 from cce_parallel.train.metrics import MetricsLogger, peak_memory_per_rank, peak_tflops
 from cce_parallel.train.model import (
     build_gpt,
@@ -35,6 +35,7 @@ from cce_parallel.train.model import (
     model_vocab_size,
     transformer_config,
 )
+from cce_parallel.train.signals import StopOnSignal
 
 
 def forward_step(data_iterator, model, fold_mask: bool = False):
@@ -115,7 +116,9 @@ class Trainer:
             self.metrics.print(f"resumed from {resume_from} at step {self.step} (checked in {self._verify_s:.1f} s, "
                                f"loaded in {seconds:.1f} s)")
             self.metrics.record("resume", step=self.step, path=str(resume_from), verify_s=self._verify_s, load_s=seconds)
-        self.checkpointer = checkpoint.Checkpointer(self.ckpt_dir, keep=recipe.checkpoint.keep)
+        self.checkpointer = checkpoint.Checkpointer(
+            self.ckpt_dir, keep=recipe.checkpoint.keep, timeout=datetime.timedelta(minutes=recipe.run.dist_timeout_minutes)
+        )
         self.start_step = self.step
         self.flops_per_token = flops_per_token(recipe, self.vocab_size)
         self.peak_tflops = peak_tflops(recipe.logging.peak_tflops, device)
@@ -177,6 +180,11 @@ class Trainer:
             total -= self.vocab_size * self.recipe.model.hidden_size
         return total
 
+    @property
+    def _loss_fusion(self) -> str | None:
+        c = self.config
+        return c.cross_entropy_fusion_impl if c.cross_entropy_loss_fusion else None
+
     def _record_meta(self, info):
         import megatron.core
 
@@ -195,11 +203,13 @@ class Trainer:
             torch=torch.__version__, megatron_core=megatron.core.__version__, python=sys.version.split()[0],
             commit=commit, host=socket.gethostname(), time=time.time(),
             loss_scale=autograd.loss_scale,  # what a bf16 ∇W made in the loss's forward is made for
+            loss_fusion=self._loss_fusion,  # megatron_fused: the cross_entropy_fusion_impl it ran (native / te)
         )
         r = self.recipe
         self.metrics.print(
             f"{r.run.name}: {self.params_total / 1e6:.2f}M parameters ({self.params_local / 1e6:.2f}M on rank 0), "
-            f"vocab {self.vocab_size} (tokenizer {info.vocab_size}), loss {r.loss.impl}, {self.device} "
+            f"vocab {self.vocab_size} (tokenizer {info.vocab_size}), loss {r.loss.impl}"
+            f"{f' ({self._loss_fusion})' if self._loss_fusion else ''}, {self.device} "
             f"{str(self.dtype).replace('torch.', '')}; world {self.layout['world']} = tp {self.layout['tp']} x "
             f"pp {self.layout['pp']} x dp {self.layout['dp']}; {self.layout['accumulation']} micro-batches of "
             f"{r.train.micro_batch_size} per rank per step; run dir {self.run_dir}"
@@ -296,11 +306,10 @@ class Trainer:
         if blocking:
             report["blocked_s"] = report["total_s"]
         rate = report["bytes"] / max(report["total_s"] - (0.0 if blocking else report["blocked_s"]), 1e-9)
-        fields = dict(path=report["path"], seconds=report["blocked_s"], blocked_s=report["blocked_s"],
-                      stage_s=report["stage_s"], write_s=report["write_s"], publish_s=report["publish_s"],
-                      total_s=report["total_s"], bytes=report["bytes"], write_gb_per_s=rate / 1e9,
-                      prune_s=report["prune_s"], read_back=report["read_back"])
-        self.metrics.record("checkpoint", step=report["step"], **fields)
+        fields = {k: report[k] for k in ("path", "blocked_s", "stage_s", "write_s", "publish_s", "prune_s", "total_s",
+                                         "bytes", "read_back")}
+        self.metrics.record("checkpoint", step=report["step"], seconds=report["blocked_s"], write_gb_per_s=rate / 1e9,
+                            **fields)
         self.metrics.print(
             f"saved checkpoint {report['path']}: {report['bytes'] / 1e9:.2f} GB, training blocked "
             f"{report['blocked_s']:.1f} s (staging {report['stage_s']:.1f} s), written in {report['total_s']:.1f} s "
