@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPT-2 small (recipes/gpt2-small-owt.yaml) trained twice on the same data and seed, once with
-# CCE's loss layer (cce_kahan_full_c) and once with megatron-core's (ColumnParallelLinear +
-# vocab_parallel_cross_entropy), then one report: loss curves, tokens/s, peak memory per rank.
+# GPT-2 small (recipes/gpt2-small-owt.yaml) trained on the same data and seed with each loss layer:
+# CCE's (cce_kahan_full_c), megatron-core's ColumnParallelLinear + vocab_parallel_cross_entropy
+# (megatron) and the same + its cross_entropy_loss_fusion (megatron_fused: native, or te where
+# Transformer Engine is installed; FUSION_IMPL=native forces native), then one report against
+# the first: loss curves, tokens/s, peak memory per rank.
 #
 #   benchmarks/run_train_compare.sh OUT_DIR
 #
@@ -13,11 +15,12 @@
 #
 # Environment (defaults): NPROC (4), STEPS (300), GBS (64), MBS (8), WARMUP (30), WORK_DIR
 # (/tmp/cce_train_compare), PYTHON (python3), LAUNCH_TIMEOUT (240), IMPLS ("cce_kahan_full_c
-# megatron"), RECIPE (recipes/gpt2-small-owt.yaml), EXTRA (more --set overrides, space-separated,
-# applied last). Needs no pip install: run it with the packages importable (e.g.
-# PYTHONPATH=/tmp/site:.). CPU smoke test: RECIPE=recipes/tiny.yaml NPROC=2 STEPS=20 GBS=8 MBS=4
+# megatron megatron_fused"), FUSION_IMPL (loss.fusion_impl of the megatron_fused run: auto, native
+# or te; default the recipe's), RECIPE (recipes/gpt2-small-owt.yaml), EXTRA (more --set overrides,
+# space-separated, applied last to every run). Needs no pip install: run it with the packages
+# importable (e.g. PYTHONPATH=/tmp/site:.). CPU smoke test: RECIPE=recipes/tiny.yaml NPROC=2 STEPS=20 GBS=8 MBS=4
 # WARMUP=4 EXTRA="data.vocab_size=1024" benchmarks/run_train_compare.sh /tmp/out
-# Exit status: 0 when both runs and the report succeeded, else the last non-zero status.
+# Exit status: 0 when every run and the report succeeded, else the last non-zero status.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:?usage: benchmarks/run_train_compare.sh OUT_DIR}
@@ -44,13 +47,17 @@ $py -m cce_parallel.train --recipe "$recipe" --prepare-data --set "${common[@]}"
 
 rc=0
 runs=()
-for impl in ${IMPLS:-cce_kahan_full_c megatron}; do
+for impl in ${IMPLS:-cce_kahan_full_c megatron megatron_fused}; do
     name="${stem}-${impl}"
+    own=()  # overrides of this run alone (loss.fusion_impl is refused for the other impls)
+    if [ "$impl" = megatron_fused ] && [ -n "${FUSION_IMPL:-}" ]; then
+        own=(loss.fusion_impl="$FUSION_IMPL")
+    fi
     rm -rf "$work/runs/$name"
     echo "=== loss.impl=$impl on $nproc GPUs ($(date -u +%H:%M:%S)) ==="
     timeout --signal=TERM --kill-after=15 "${LAUNCH_TIMEOUT:-240}" \
         $py -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-        -m cce_parallel.train --recipe "$recipe" --set "${common[@]}" loss.impl="$impl" run.name="$name" \
+        -m cce_parallel.train --recipe "$recipe" --set "${common[@]}" loss.impl="$impl" ${own[@]+"${own[@]}"} run.name="$name" \
         2>&1 | tee "$work/$name.log"
     s=${PIPESTATUS[0]}
     mkdir -p "$out/$name"

@@ -1,11 +1,16 @@
 """How does CCE's loss layer compare with megatron-core's in a real pretraining run?
 
 Reads the metrics.jsonl of runs of the same recipe that differ in loss.impl (written by
-``python -m cce_parallel.train``; see run_train_compare.sh) and writes
+``python -m cce_parallel.train``; see run_train_compare.sh: CCE, megatron-core's unfused loss
+``megatron`` and its fused one ``megatron_fused``, labelled with the fusion it ran, native or
+te) and writes
 ``OUT/train_compare_<gpu>_<yyyymmdd>[_<tag>].{json,md,png}``: the loss curves (train and
 validation), tokens/s, MFU and peak memory per rank, with the device, commit, date and command.
 
-    python benchmarks/train_compare.py --runs OUT/gpt2-small-cce_kahan_full_c OUT/gpt2-small-megatron --out OUT
+    python benchmarks/train_compare.py --runs OUT/gpt2-small-cce_kahan_full_c OUT/gpt2-small-megatron \
+        OUT/gpt2-small-megatron_fused --out OUT
+
+The first run is the one the others are compared with (loss differences).
 
 Throughput is the median over steps after --warmup steps (the first steps compile and allocate).
 Peak memory is the last logged ``peak_mem_per_rank`` (``torch.cuda.max_memory_allocated``, a
@@ -46,6 +51,15 @@ def read_run(run_dir: Path) -> dict:
     return {"dir": str(run_dir), "meta": meta, "train": train, "eval": evals}
 
 
+def run_label(meta: dict) -> str:
+    """loss.impl, with the fusion megatron_fused ran: megatron-core's cross_entropy_fusion_impl
+    (the job's meta ``loss_fusion``; the recipe's loss.fusion_impl where an older run lacks it)."""
+    loss = meta["recipe"]["loss"]
+    if loss["impl"] != "megatron_fused":
+        return loss["impl"]
+    return f"megatron_fused ({meta.get('loss_fusion') or loss.get('fusion_impl', '?')})"
+
+
 def summarize(run: dict, warmup: int) -> dict:
     meta, train = run["meta"], run["train"]
     steps = sorted(train)
@@ -55,7 +69,7 @@ def summarize(run: dict, warmup: int) -> dict:
     last_eval = run["eval"][max(run["eval"])] if run["eval"] else None
     tail = [train[s]["loss"] for s in steps[-min(20, len(steps)):]]
     return {
-        "label": meta["recipe"]["loss"]["impl"],
+        "label": run_label(meta),
         "run_dir": run["dir"],
         "steps": len(steps),
         "tokens_per_step": meta["recipe"]["train"]["global_batch_size"] * meta["recipe"]["model"]["seq_length"],

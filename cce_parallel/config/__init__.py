@@ -17,6 +17,7 @@ from cce_parallel.config.loader import (
 from cce_parallel.config.schema import (
     CCE_IMPLS,
     LOSS_IMPLS,
+    MEGATRON_IMPLS,
     CheckpointConfig,
     DataConfig,
     EvalConfig,
@@ -34,6 +35,7 @@ from cce_parallel.config.schema import (
 __all__ = [
     "CCE_IMPLS",
     "LOSS_IMPLS",
+    "MEGATRON_IMPLS",
     "CheckpointConfig",
     "DataConfig",
     "EvalConfig",

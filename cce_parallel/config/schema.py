@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # The loss impls of cce_parallel.IMPLS (tests/config checks the two lists agree), plus megatron-core's
-# own output layer + vocab_parallel_cross_entropy for comparison.
+# own output layer for comparison, followed by its unfused loss (vocab_parallel_cross_entropy) or
+# its fused one (cross_entropy_loss_fusion).
 CCE_IMPLS = ("cce", "cce_kahan", "cce_kahan_full_c", "cce_kahan_full_e", "exact", "torch")
-LOSS_IMPLS = CCE_IMPLS + ("megatron",)
+MEGATRON_IMPLS = ("megatron", "megatron_fused")
+LOSS_IMPLS = CCE_IMPLS + MEGATRON_IMPLS
 
 
 # The parts of a dense transformer layer that megatron-core's selective recomputation can rerun
@@ -235,8 +237,19 @@ class LossConfig(Section):
 
     impl: Literal[LOSS_IMPLS] = "cce_kahan_full_c"
     """A CCE impl (``cce_kahan_full_c``: the paper's pretraining mode, ∇C unfiltered), or
-    ``megatron``: megatron-core's ColumnParallelLinear output layer + vocab_parallel_cross_entropy,
-    which builds the logits [s·b, V/tp]."""
+    megatron-core's ColumnParallelLinear output layer, which builds the logits [s·b, V/tp], followed
+    by ``megatron``: vocab_parallel_cross_entropy (unfused: eager PyTorch on an fp32 copy of bf16
+    logits), or ``megatron_fused``: the loss GPTModel takes with ``cross_entropy_loss_fusion``
+    (implementation: ``loss.fusion_impl``). The native fused loss is the same math in
+    torch.compile'd pieces with one all-reduce fewer, and hands back a bf16 logit gradient
+    whatever the logits' dtype, so an fp32 run of it follows ``megatron`` closely, not bit for bit."""
+    fusion_impl: Literal["auto", "native", "te"] = "auto"
+    """megatron-core's ``cross_entropy_fusion_impl`` for ``loss.impl=megatron_fused``: ``native``
+    (fused_vocab_parallel_cross_entropy, torch.compile'd; CUDA and CPU), ``te`` (Transformer
+    Engine's parallel_cross_entropy; CUDA only), or ``auto``: te where Transformer Engine is
+    installed and CUDA is available, else native. Megatron-LM's own argument check now refuses te
+    by default (training-stability reports; megatron-core 0.19's config warns when te is set):
+    choose native to compare against what Megatron-LM users get."""
     z_loss: float = 0.0
     """Adds z_loss · lse² per token (CCE impls only)."""
     softcap: float | None = None
@@ -257,10 +270,16 @@ class LossConfig(Section):
     that the Triton interpreter runs few programs (``cce_parallel.train.launch.CPU_KERNEL_CONFIG``)."""
 
     def __post_init__(self):
-        if self.impl == "megatron":
+        if not self.is_cce:
+            # Neither of megatron-core's losses has these options; the CCE-only knobs would be
+            # silently ignored, which would make a comparison run differ from what the recipe says.
             for name, default in (("z_loss", 0.0), ("softcap", None), ("label_smoothing", 0.0)):
                 if getattr(self, name) != default:
-                    self._fail(name, "is not supported by loss.impl=megatron (megatron-core's loss has no such option)")
+                    self._fail(
+                        name, f"is not supported by loss.impl={self.impl} (megatron-core's loss has no such option)"
+                    )
+        if self.fusion_impl != "auto" and self.impl != "megatron_fused":
+            self._fail("fusion_impl", f"only applies to loss.impl=megatron_fused, not loss.impl={self.impl}")
         if not math.isfinite(self.z_loss) or self.z_loss < 0:
             self._fail("z_loss", "must be a finite number >= 0")
         if self.softcap is not None and (not math.isfinite(self.softcap) or self.softcap <= 0):
@@ -275,7 +294,8 @@ class LossConfig(Section):
 
     @property
     def is_cce(self) -> bool:
-        return self.impl != "megatron"
+        """A CCE loss layer (use_cce); otherwise megatron-core's output layer and loss."""
+        return self.impl not in MEGATRON_IMPLS
 
 
 @dataclass
@@ -641,6 +661,11 @@ class Recipe:
                 raise RecipeError("train.precision: bf16 needs CUDA (the Triton interpreter on CPU is fp32 only)")
             if self.model.attention == "te":
                 raise RecipeError("model.attention: te (Transformer Engine) needs CUDA; use sdpa or auto")
+            if self.loss.fusion_impl == "te":
+                raise RecipeError(
+                    "loss.fusion_impl: te (Transformer Engine's parallel_cross_entropy, a Triton kernel) needs "
+                    "CUDA; use native or auto for loss.impl=megatron_fused on CPU"
+                )
             if self.model.position_embedding == "rope":
                 raise RecipeError(
                     "model.position_embedding: rope needs CUDA (megatron-core moves the rotary frequencies to "

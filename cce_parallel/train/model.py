@@ -8,7 +8,9 @@ megatron-core's local layers with SDPA core attention and torch norms
 (``cce_parallel.megatron.local_gpt_layer_spec``), which run on CPU too. With ``loss.impl`` a CCE
 impl, ``use_cce`` swaps the output layer so that ``model(tokens, position_ids, None, labels=labels)``
 returns the per-token fp32 loss [b, s] without building logits; with ``megatron`` the model keeps
-its ColumnParallelLinear + ``vocab_parallel_cross_entropy``. Needs parallel_state initialized.
+its ColumnParallelLinear + ``vocab_parallel_cross_entropy``, with ``megatron_fused`` the same
+output layer + megatron-core's ``cross_entropy_loss_fusion`` (``cross_entropy_fusion_impl`` native
+or te: ``loss_fusion_impl``). Needs parallel_state initialized.
 """
 
 import importlib.util
@@ -56,9 +58,28 @@ def model_vocab_size(recipe: Recipe, tokenizer_vocab: int) -> int:
     return padded_vocab_size(vocab, m.make_vocab_size_divisible_by, recipe.parallel.tensor)
 
 
+def loss_fusion_impl(recipe: Recipe) -> str | None:
+    """megatron-core's ``cross_entropy_fusion_impl`` for ``loss.impl=megatron_fused`` (None for the
+    other impls): ``loss.fusion_impl``, where ``auto`` is te with Transformer Engine installed and
+    CUDA available (its kernel is Triton on the GPU), else native (torch.compile'd, CPU too)."""
+    loss = recipe.loss
+    if loss.impl != "megatron_fused":
+        return None
+    if loss.fusion_impl == "auto":
+        return "te" if have_te() and torch.cuda.is_available() else "native"
+    if loss.fusion_impl == "te" and not have_te():
+        from cce_parallel.config import RecipeError
+
+        # megatron-core would only fail at the first loss ("Trying to use a TE block when it's not present").
+        raise RecipeError("loss.fusion_impl: te, but Transformer Engine is not installed (use auto or native)")
+    return loss.fusion_impl
+
+
 def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, init: bool = True) -> TransformerConfig:
-    """megatron-core's TransformerConfig for the recipe (no fusions that need apex or TE kernels)."""
+    """megatron-core's TransformerConfig for the recipe (no fusions that need apex or TE kernels,
+    except the loss fusion that ``loss.impl=megatron_fused`` asks for)."""
     m, p = recipe.model, recipe.parallel
+    fusion = loss_fusion_impl(recipe)
     activation, gated = {"gelu": (F.gelu, False), "swiglu": (F.silu, True), "geglu": (fast_gelu, True)}[m.activation]
     half = dtype != torch.float32
     return TransformerConfig(
@@ -93,7 +114,9 @@ def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, in
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
-        cross_entropy_loss_fusion=False,
+        # megatron_fused: GPTModel.compute_language_model_loss takes megatron-core's fused loss.
+        cross_entropy_loss_fusion=fusion is not None,
+        cross_entropy_fusion_impl=fusion or "native",
         deallocate_pipeline_outputs=p.pipeline > 1,
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,

@@ -9,6 +9,7 @@ import torch
 
 from cce_parallel.config import (
     CCE_IMPLS,
+    LOSS_IMPLS,
     Recipe,
     RecipeError,
     apply_override,
@@ -188,6 +189,9 @@ def test_impl_list_matches_the_package():
     import cce_parallel
 
     assert tuple(CCE_IMPLS) == tuple(cce_parallel.IMPLS)
+    # The rest are megatron-core's own loss paths, which no CCE layer stands in for.
+    assert LOSS_IMPLS == CCE_IMPLS + ("megatron", "megatron_fused")
+    assert [load_recipe(None, [f"loss.impl={impl}"]).loss.is_cce for impl in LOSS_IMPLS[-2:]] == [False, False]
 
 
 def test_kernel_config_is_checked_against_the_kernels():
@@ -261,6 +265,11 @@ def test_unknown_keys_and_wrong_types(raw, key):
         ({"train": {"grad_accumulation": 3}, "parallel": {"data": 1}}, "train.global_batch_size"),
         ({"parallel": {"tensor": 1, "sequence_parallel": True}}, "parallel.sequence_parallel"),
         ({"loss": {"impl": "megatron", "z_loss": 1e-4}}, "loss.z_loss"),
+        ({"loss": {"impl": "megatron_fused", "z_loss": 1e-4}}, "loss.z_loss: is not supported by loss.impl=megatron_fused"),
+        ({"loss": {"impl": "megatron_fused", "softcap": 30.0}}, "loss.softcap"),
+        ({"loss": {"impl": "megatron_fused", "label_smoothing": 0.1}}, "loss.label_smoothing"),
+        ({"loss": {"impl": "megatron", "fusion_impl": "native"}}, "loss.fusion_impl: only applies to loss.impl=megatron_fused"),
+        ({"loss": {"fusion_impl": "te"}}, "loss.fusion_impl"),
         ({"optim": {"warmup_steps": 50}}, "optim.warmup_steps"),
         ({"optim": {"min_lr": 1.0}}, "optim.min_lr"),
         ({"model": {"seq_length": 0}}, "model.seq_length"),
@@ -340,6 +349,11 @@ def test_cuda_only_features_on_cpu():
     assert _error({"parallel": {"distributed_optimizer": True}}, world=2).startswith("parallel.distributed_optimizer")
     assert _error({"train": {"precision": "bf16"}}, world=2).startswith("train.precision")
     assert _error({"model": {"position_embedding": "rope"}}, world=2).startswith("model.position_embedding")
+    te_loss = {"loss": {"impl": "megatron_fused", "fusion_impl": "te"}}
+    assert _error(te_loss, world=2).startswith("loss.fusion_impl: te (Transformer Engine's parallel_cross_entropy")
+    assert recipe_from_dict(te_loss).check_world(2, "cuda") == Recipe().check_world(2, "cuda")
+    native = recipe_from_dict({"loss": {"impl": "megatron_fused", "fusion_impl": "native"}})
+    assert native.check_world(2, "cpu") == Recipe().check_world(2, "cpu")
     recipe = recipe_from_dict({"parallel": {"pipeline": 2}})
     assert recipe.check_world(4, "cuda") == (1, 2)
     full = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
@@ -433,3 +447,25 @@ def test_deterministic_mode_reaches_megatron():
     for flag in (False, True):
         recipe = load_recipe(None, [f"train.deterministic={str(flag).lower()}"])
         assert transformer_config(recipe, dtype=torch.float32, cpu_init=True).deterministic_mode is flag
+
+
+def test_megatron_fused_turns_megatrons_loss_fusion_on(monkeypatch):
+    """loss.impl=megatron_fused: GPTModel computes its loss with cross_entropy_loss_fusion; auto picks
+    te only with Transformer Engine installed and CUDA available; te without TE names the key."""
+    from cce_parallel.train import model
+
+    def config(*overrides):
+        recipe = load_recipe(None, list(overrides))
+        c = model.transformer_config(recipe, dtype=torch.float32, cpu_init=True)
+        return c.cross_entropy_loss_fusion, c.cross_entropy_fusion_impl
+
+    assert config() == config("loss.impl=megatron") == (False, "native")
+    for te, cuda, expected in ((False, False, "native"), (True, False, "native"), (False, True, "native"),
+                               (True, True, "te")):
+        monkeypatch.setattr(model, "have_te", lambda te=te: te)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert config("loss.impl=megatron_fused") == (True, expected)
+        assert config("loss.impl=megatron_fused", "loss.fusion_impl=native") == (True, "native")
+    monkeypatch.setattr(model, "have_te", lambda: False)
+    with pytest.raises(RecipeError, match="^loss.fusion_impl: te, but Transformer Engine is not installed"):
+        config("loss.impl=megatron_fused", "loss.fusion_impl=te")
