@@ -23,8 +23,11 @@ its gradient, and DDP's hooks add it.
 
 Speed: the loss computes its gradients in the forward and scales them in the backward when the
 upstream gradient is one number over the kept tokens. Megatron's loss_func multiplies the per-token
-loss by ``loss_mask`` and divides by a count: fold the mask into the labels first
-(``mask_labels(labels, loss_mask)``; the train job does), else the backward recomputes ∇weight.
+loss by ``loss_mask`` and divides by a count: the mask must be folded into the labels
+(``mask_labels(labels, loss_mask)``), else the backward recomputes ∇weight. A model switched by
+``use_cce`` folds the ``loss_mask`` that ``GPTModel.forward`` receives (Megatron-LM's
+``pretrain_gpt`` passes it); a loop that does not pass it to the model folds it itself (the train
+job does).
 Without gradient-accumulation fusion a bf16 ∇weight is made in the forward for the number the loss
 is scaled by; Megatron's schedule divides it by the number of micro-batches, so call
 ``cce_parallel.expect_loss_scale(1 / num_microbatches)`` once (the train job does), or the first

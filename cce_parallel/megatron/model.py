@@ -12,6 +12,14 @@ has no ``output_processor`` hook in ``GPTModel.forward``, so ``use_cce`` does th
   ``forward`` (DDP / FSDP pre-hooks fire as for the logits), and whose
   ``compute_language_model_loss`` passes that loss through. Everything else in ``_postprocess``
   (the shared-weight lookup, inference, logging) is megatron-core's own.
+- ``GPTModel.forward(..., labels=labels, loss_mask=loss_mask)`` (megatron-core 0.16 and 0.19 take
+  the keyword and hand it to ``_postprocess``, where only multi-token prediction reads it;
+  Megatron-LM's ``pretrain_gpt`` passes it): the routed labels are ``mask_labels(labels,
+  loss_mask)``, so masked tokens get ``ignore_index``: a loss of exactly 0 and no gradient. The
+  caller's ``(loss * loss_mask).sum() / count`` is then the same number with the same gradients,
+  and its upstream gradient is one number over the kept tokens, which the one-pass loss only
+  scales (without the fold it is per token, and the backward recomputes ∇weight). A loop that
+  does not pass ``loss_mask`` to the model folds it itself with ``mask_labels``.
 
 Without labels, and in inference mode, the model returns logits [b, s, V/tp] (or gathered) as
 Megatron does. Multi-token prediction is not supported (its extra heads roll the labels).
@@ -22,7 +30,7 @@ import inspect
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from cce_parallel.megatron.layer import CCEOptions, CCEOutputLayer
+from cce_parallel.megatron.layer import CCEOptions, CCEOutputLayer, mask_labels
 
 
 def unwrap_gpt_model(model) -> GPTModel:
@@ -62,6 +70,7 @@ def cce_output_processor(
     hidden_states: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
+    loss_mask: torch.Tensor | None = None,
     runtime_gather_output: bool | None = None,
     **options,
 ) -> torch.Tensor:
@@ -74,6 +83,8 @@ def cce_output_processor(
         model: the GPTModel (or a wrapper) of the last pipeline stage.
         hidden_states: [s, b, h], or [s/tp, b, h] with sequence parallelism (the decoder's output).
         labels: [b, s], or None for logits.
+        loss_mask: [b, s] or None; where 0 the token's loss is 0 and it gets no gradient (folded
+            into the labels with ``mask_labels``, as the model's forward folds its ``loss_mask``).
         runtime_gather_output: as in GPTModel.forward (logits only).
         **options: ``use_cce`` options (impl, softcap, ...); applied to the model first when given,
             or when its output layer is not a CCE layer yet.
@@ -87,6 +98,8 @@ def cce_output_processor(
     if options or not isinstance(gpt.output_layer, CCEOutputLayer):
         use_cce(gpt, **options)
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    if labels is not None and loss_mask is not None:
+        labels = mask_labels(labels, loss_mask, gpt.output_layer.cce_options.ignore_index)
     out, _ = gpt.output_layer(
         hidden_states, weight=weight, runtime_gather_output=runtime_gather_output, labels=labels
     )
@@ -108,6 +121,12 @@ class _CCEGPTModelMixin:
         layer = getattr(self, "output_layer", None)
         if labels is None or inference or not self.post_process or not isinstance(layer, CCEOutputLayer):
             return super()._postprocess(*args, **kwargs)
+        loss_mask = bound.get("loss_mask")
+        if loss_mask is not None:
+            # Megatron's loss_func multiplies the per-token loss by this mask; folded into the labels,
+            # masked tokens give exactly 0 (the product is unchanged) and no gradient, so the
+            # upstream gradient is one number over the kept tokens (see the module doc).
+            labels = mask_labels(labels, loss_mask, layer.cce_options.ignore_index)
         with layer.route_labels(labels):
             return super()._postprocess(*args, **kwargs)
 
