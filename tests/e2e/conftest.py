@@ -90,6 +90,15 @@ def wait_for_checkpoint_and_step(run_dir: Path, min_step: int, procs, *, timeout
     return None
 
 
+def _alive(pid: int) -> bool:
+    """pid is a live process (not a zombie waiting for its parent)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below pid (Linux /proc), parents before their children."""
     children = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.conftest import ROOT, _descendants, base_overrides, run_train, train_command, train_env
+from tests.e2e.conftest import ROOT, _alive, _descendants, base_overrides, run_train, train_command, train_env
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -215,14 +215,6 @@ def test_named_bad_checkpoint_is_an_error(two_checkpoints, runs_dir, tiny_data):
     line = f"cce-train: invalid recipe: checkpoint.resume: {path}: {path}/.metadata is missing"
     assert line in done.stderr.splitlines()
     assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr  # torchrun adds its own
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_lock_and_killed_launcher(tiny_data, runs_dir):

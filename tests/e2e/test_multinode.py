@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ROOT, _descendants, base_overrides, train_env, wait_for_checkpoint_and_step
+from tests.e2e.conftest import (
+    ROOT,
+    _alive,
+    _descendants,
+    base_overrides,
+    train_env,
+    wait_for_checkpoint_and_step,
+)
 
 pytestmark = [
     pytest.mark.distributed,
@@ -66,14 +73,6 @@ def _start_nodes(port: int, rdzv_id: str, overrides: list[str], logs: Path, name
 
 def _logs(logs: Path) -> str:
     return "\n".join(f"--- {path.name}:\n{path.read_text()[-3000:]}" for path in sorted(logs.glob("*.log")))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _kill_all(agents, workers=()):
