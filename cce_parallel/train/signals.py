@@ -30,6 +30,7 @@ class StopOnSignal:
     def __init__(self, names: list[str], deadline_s: float | None, device: str):
         self.deadline_s, self.device = deadline_s, device
         self.first: tuple[int, float] | None = None
+        self._timer: threading.Timer | None = None
         self._previous = {}
         for name in names:
             number = signal.Signals[name]
@@ -39,18 +40,18 @@ class StopOnSignal:
         now = time.monotonic()
         if self.first is None:
             self.first = (number, now)
-            print(f"received {signal.Signals(number).name}: saving after this step, then exiting "
-                  "(a second signal exits at once)", file=sys.stderr, flush=True)
+            _say(f"received {signal.Signals(number).name}: saving after this step, then exiting "
+                 "(a second signal exits at once)")
             if self.deadline_s:
-                timer = threading.Timer(self.deadline_s, self._exit, args=(number, "the deadline passed"))
-                timer.daemon = True
-                timer.start()
+                self._timer = threading.Timer(self.deadline_s, self._exit, args=(number, "the deadline passed"))
+                self._timer.daemon = True
+                self._timer.start()
         elif now - self.first[1] > SAME_SIGNAL_S:
             self._exit(number, f"a second signal ({signal.Signals(number).name})")
 
     @staticmethod
     def _exit(number: int, why: str):
-        print(f"{why}: exiting at once, without a checkpoint", file=sys.stderr, flush=True)
+        _say(f"{why}: exiting at once, without a checkpoint")
         os._exit(128 + number)
 
     def agreed(self) -> bool:
@@ -61,5 +62,14 @@ class StopOnSignal:
         return bool(flag.item())
 
     def restore(self):
+        """The handlers from before, and no deadline (the run has saved, or stops otherwise)."""
+        if self._timer is not None:
+            self._timer.cancel()
         for number, handler in self._previous.items():
             signal.signal(number, handler)
+
+
+def _say(line: str):
+    """One line to stderr without Python's buffered stream: a handler that printed while the
+    interrupted code was printing would raise (buffered streams are not reentrant)."""
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
