@@ -5,16 +5,19 @@ steps per run, each one torchrun launch, on offline data (stdlib text; the model
 256,000-row vocabulary), and writes ``OUT/train_resilience_<gpu>_<yyyymmdd>.{json,md}``:
 
     throughput    "plain": no checkpoint until the last step; "saving": a checkpoint every
-                  --save-every steps (in the background), and SIGTERM to torchrun once
-                  --signal-at steps are logged (the ranks save at the next step and exit), then
-                  restarted to the end. Reports tokens/s over steps 2 to --signal-at (wall clock:
-                  saves and waits for them included), the blocking time, the background write
-                  time and throughput of each checkpoint, and the resume's check and load times.
+                  --save-every steps (in the background); "signal": a checkpoint every
+                  --signal-save-every steps and SIGTERM to torchrun once --signal-at steps are
+                  logged (the ranks save at the next step and exit), then restarted to the end.
+                  Reports tokens/s of plain and saving (wall clock: saves and waits for them
+                  included), the blocking time, the background write time and throughput of
+                  each checkpoint, and the resume's check and load times.
     determinism   train.deterministic: runs "det-a" and "det-b" uninterrupted, and "det-sig":
                   SIGTERM to torchrun once --signal-at steps are logged (the ranks save at the
                   next step and exit), then restarted to the end. Reports whether the per-step
                   losses and gradient norms of the three are bitwise equal, and the tokens/s
                   of det-a against plain (when both are in the same --out).
+    cost          "det-c": det-a's command again, on the machine that ran plain (the tokens/s
+                  of deterministic mode against plain then come from one machine).
 
     python benchmarks/train_resilience.py --phase throughput --out OUT
     python benchmarks/train_resilience.py --phase determinism --out OUT     # then: --phase report
@@ -32,6 +35,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,12 +95,16 @@ def launch(args, name: str, extra: list[str], *, signal_at: int | None = None) -
 def collect(args, name: str, launches: list[dict]) -> dict:
     path = Path(args.work) / "runs" / name / "metrics.jsonl"
     m = read_metrics(path)
-    return {"name": name, "launches": launches, "meta": m["meta"][-1] if m["meta"] else None,
+    return {"name": name, "work": str(path.parent), "launches": launches, "meta": m["meta"][-1] if m["meta"] else None,
             "train": m["train"], "checkpoint": m["checkpoint"], "checkpoint_start": m["checkpoint_start"],
             "resume": m["resume"]}
 
 
-def save_runs(out: Path, runs: list[dict]):
+def save_runs(out: Path, runs: list[dict], *, done: bool = True):
+    """Adds the runs to OUT/runs.json; once a run is done, deletes its checkpoints (37 GB each for
+    the Gemma recipe: the runs' checkpoints together would fill the disk)."""
+    for r in runs if done else ():
+        shutil.rmtree(Path(r["work"]) / "checkpoints", ignore_errors=True)
     path = out / "runs.json"
     known = json.loads(path.read_text()) if path.exists() else {}
     known.update({r["name"]: r for r in runs})
@@ -104,21 +112,32 @@ def save_runs(out: Path, runs: list[dict]):
 
 
 def phase_throughput(args, out: Path):
-    """plain, then saving (SIGTERM after --signal-at steps: the save on a signal, on every GPU),
-    then saving resumed to the end (the checks' and the load's times)."""
+    """plain, then saving, then signal (SIGTERM after --signal-at steps: the save on a signal, on
+    every GPU) and its restart to the end (the checks' and the load's times). The signal run saves
+    less often than saving: torch 2.11's torchrun SIGKILLs its workers 30 s after forwarding a
+    signal, so the save on the signal must not wait for a background write still in flight."""
     save_runs(out, [collect(args, "plain", [launch(args, "plain", ["checkpoint.interval=0"])])])
-    saving = [f"checkpoint.interval={args.save_every}"]
-    first = launch(args, "saving", saving, signal_at=args.signal_at)
-    save_runs(out, [collect(args, "saving", [first])])
-    save_runs(out, [collect(args, "saving", [first, launch(args, "saving", saving)])])
+    save_runs(out, [collect(args, "saving", [launch(args, "saving", [f"checkpoint.interval={args.save_every}"])])])
+    every = [f"checkpoint.interval={args.signal_save_every}"]
+    first = launch(args, "signal", every, signal_at=args.signal_at)
+    save_runs(out, [collect(args, "signal", [first])], done=False)
+    save_runs(out, [collect(args, "signal", [first, launch(args, "signal", every)])])
+
+
+DETERMINISTIC = ["train.deterministic=true", "checkpoint.interval=0"]
+
+
+def phase_cost(args, out: Path):
+    """det-c: det-a's command again, for its tokens/s against plain where the two ran on one machine."""
+    save_runs(out, [collect(args, "det-c", [launch(args, "det-c", DETERMINISTIC)])])
 
 
 def phase_determinism(args, out: Path):
-    det = ["train.deterministic=true", "checkpoint.interval=0"]
+    det = DETERMINISTIC
     for name in ("det-a", "det-b"):
         save_runs(out, [collect(args, name, [launch(args, name, det)])])
     first = launch(args, "det-sig", det, signal_at=args.signal_at)
-    save_runs(out, [collect(args, "det-sig", [first])])
+    save_runs(out, [collect(args, "det-sig", [first])], done=False)
     save_runs(out, [collect(args, "det-sig", [first, launch(args, "det-sig", det)])])
 
 
@@ -150,50 +169,32 @@ def report(out: Path, recipe: str, note: str = "") -> int:
     summary = {"gpu": gpu, "world": world, "recipe": recipe, "commit": meta.get("commit"), "note": note, "date": date,
                "runs": {}}
     if "plain" in runs and "saving" in runs:
-        # Up to the step the signal came after (the run stopped one step later). Unless the save on
-        # the signal was written, the restart redid steps from an older checkpoint, whose records
-        # replaced the first launch's: then there is no wall-clock span to measure.
-        sig = runs["saving"]["launches"][0]
+        plain, saving = tokens_per_s(runs["plain"]), tokens_per_s(runs["saving"])
+        summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": saving, "ratio": saving / plain}
+        lines += ["## Background checkpoints", "", "Tokens/s from the end of step 1 to the end of the last, wall clock:",
+                  "", "| run | tokens/s | ratio |", "|---|---|---|",
+                  f"| no checkpoint | {plain:,.0f} | 1.000 |",
+                  f"| a checkpoint every {_interval(runs['saving'])} steps | {saving:,.0f} | {saving / plain:.3f} |", ""]
+        lines += _checkpoint_table(runs["saving"])
+    if "signal" in runs:
+        run = runs["signal"]
+        sig, restart = run["launches"][0], run["launches"][-1]
         last = sig["signalled_at"]
-        saved = [int(k) for k in runs["saving"]["checkpoint"] if last is not None and int(k) > last]
-        signal_saved = bool(saved) and min(saved) == last + 1 and runs["saving"]["resume"].get(str(last + 1))
-        lines += ["## Background checkpoints", ""]
-        if signal_saved:
-            plain, saving = tokens_per_s(runs["plain"], last=last), tokens_per_s(runs["saving"], last=last)
-            summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": saving, "ratio": saving / plain}
-            lines += [f"Tokens/s over steps 2 to {last}, wall clock:", "",
-                      "| run | tokens/s | ratio |", "|---|---|---|",
-                      f"| no checkpoint | {plain:,.0f} | 1.000 |",
-                      f"| a checkpoint every {_interval(runs['saving'])} steps | {saving:,.0f} | {saving / plain:.3f} |", ""]
-        else:
-            plain = tokens_per_s(runs["plain"], last=last)
-            summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": None, "ratio": None}
-            lines += [f"No checkpoint was saved on the signal after step {last}, so the restart redid steps and "
-                      f"the saving run's tokens/s is not measured. Without checkpoints: {plain:,.0f} tokens/s "
-                      f"(steps 2 to {last}).", ""]
-        lines += [
-                  "| step | GB | training blocked s (waiting for the previous save) | staging s | background write s "
-                  "| GB/s (write) | meta.json + rename s | pruning s |",
-                  "|---|---|---|---|---|---|---|---|"]
-        done, begun = runs["saving"]["checkpoint"], runs["saving"]["checkpoint_start"]
-        for k in sorted(set(done) | set(begun), key=int):
-            started, c = begun.get(k, {}), done.get(k)
-            if c is None:
-                lines.append(f"| {k} | | {started['blocked_s']:.2f} ({started['waited_s']:.2f}) | not completed | | | | |")
-                continue
-            lines.append(f"| {k} | {c['bytes'] / 1e9:.1f} | {started.get('blocked_s', c['blocked_s']):.2f} "
-                         f"({started.get('waited_s', 0.0):.2f}) | {c['stage_s']:.2f} | {c['total_s'] - c['blocked_s']:.1f} "
-                         f"| {c['write_gb_per_s']:.2f} | {c['publish_s']:.2f} | {c.get('prune_s', 0.0):.2f} |")
-        restart = runs["saving"]["launches"][-1]
-        lines += ["", f"SIGTERM to torchrun after step {last}: checkpoint of step {last + 1} "
-                      f"{'written' if signal_saved else 'NOT written'}; torchrun's exit status {sig['exit']} "
-                      f"(it exits 1 after forwarding a signal); the restart resumed from step(s) "
-                      f"{list(runs['saving']['resume'])} and exited {restart['exit']}."]
-        for k, r in runs["saving"]["resume"].items():
-            lines += ["", f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
-                          f"{r['load_s']:.1f} s."]
-        lines.append("")
-    det = [n for n in ("det-a", "det-b", "det-sig") if n in runs]
+        saved = [int(k) for k in run["checkpoint"] if last is not None and int(k) > last]
+        signal_saved = bool(saved) and min(saved) == last + 1 and bool(run["resume"].get(str(last + 1)))
+        summary["signal"] = {"signalled_at": last, "saved_step": last + 1 if signal_saved else None,
+                             "exits": [x["exit"] for x in run["launches"]], "resumed_at": list(run["resume"])}
+        lines += ["## A signal", "",
+                  f"A checkpoint every {_interval(run)} steps; SIGTERM to torchrun after step {last}: checkpoint of "
+                  f"step {last + 1} {'written' if signal_saved else 'NOT written'}; torchrun's exit status "
+                  f"{sig['exit']} (it exits 1 after forwarding a signal); the restart resumed from step(s) "
+                  f"{list(run['resume'])} and exited {restart['exit']}.", ""]
+        lines += _checkpoint_table(run)
+        for k, r in run["resume"].items():
+            lines += [f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
+                      f"{r['load_s']:.1f} s.", ""]
+    # det-c: a later launch of det-a's command on the machine that ran plain (phase "cost").
+    det = [n for n in ("det-a", "det-b", "det-sig", "det-c") if n in runs]
     if det:
         steps = sorted(runs["det-a"]["train"], key=int)
         same = {n: all(runs[n]["train"].get(s, {}).get(k) == runs["det-a"]["train"][s][k]
@@ -211,18 +212,36 @@ def report(out: Path, recipe: str, note: str = "") -> int:
             lines += ["", f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
                           f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}."]
         if "plain" in runs:
-            d, p = tokens_per_s(runs["det-a"]), tokens_per_s(runs["plain"])
+            d, p = tokens_per_s(runs.get("det-c", runs["det-a"])), tokens_per_s(runs["plain"])
             summary["determinism"].update(tokens_per_s=d, plain_tokens_per_s=p, ratio=d / p)
             lines += ["", f"Throughput: {d:,.0f} tokens/s against {p:,.0f} without deterministic mode ({d / p:.3f}x)."]
         lines.append("")
     for name, r in runs.items():
         ts = [r["train"][s]["grad_norm"] for s in sorted(r["train"], key=int)[:3]]
-        summary["runs"][name] = {"launches": r["launches"], "tokens_per_s": tokens_per_s(r), "first_grad_norms": ts}
+        # One launch: a wall-clock span; a restart's records follow a gap.
+        summary["runs"][name] = {"launches": r["launches"],
+                                 "tokens_per_s": tokens_per_s(r) if len(r["launches"]) == 1 else None, "first_grad_norms": ts}
     stem = out / f"train_resilience_{_gpu_tag(gpu, world)}_{date}"
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     stem.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def _checkpoint_table(run: dict) -> list[str]:
+    lines = ["| step | GB | training blocked s (waiting for the previous save) | staging s | background write s "
+             "| GB/s (write) | meta.json + rename s | pruning s |",
+             "|---|---|---|---|---|---|---|---|"]
+    done, begun = run["checkpoint"], run["checkpoint_start"]
+    for k in sorted(set(done) | set(begun), key=int):
+        started, c = begun.get(k, {}), done.get(k)
+        if c is None:
+            lines.append(f"| {k} | | {started['blocked_s']:.2f} ({started['waited_s']:.2f}) | not completed | | | | |")
+            continue
+        lines.append(f"| {k} | {c['bytes'] / 1e9:.1f} | {started.get('blocked_s', c['blocked_s']):.2f} "
+                     f"({started.get('waited_s', 0.0):.2f}) | {c['stage_s']:.2f} | {c['total_s'] - c['blocked_s']:.1f} "
+                     f"| {c['write_gb_per_s']:.2f} | {c['publish_s']:.2f} | {c.get('prune_s', 0.0):.2f} |")
+    return lines + [""]
 
 
 def _interval(run: dict) -> int:
@@ -236,13 +255,14 @@ def _gpu_tag(name: str, world: int) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase", choices=("throughput", "determinism", "report"), required=True)
+    p.add_argument("--phase", choices=("throughput", "determinism", "cost", "report"), required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp/cce_resilience")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--signal-at", type=int, default=15)
+    p.add_argument("--signal-save-every", type=int, default=20)
     p.add_argument("--launch-timeout", type=float, default=300)
     p.add_argument("--recipe", default="recipes/gemma-2b-owt.yaml")
     p.add_argument("--extra", nargs="*", default=[], help="more --set overrides, applied after the script's")
@@ -256,7 +276,7 @@ def main(argv=None) -> int:
     prep = [sys.executable, "-m", "cce_parallel.train", "--recipe", args.recipe, "--prepare-data",
             "--set", *common(args)]
     subprocess.run(prep, cwd=ROOT, check=True)
-    (phase_throughput if args.phase == "throughput" else phase_determinism)(args, out)
+    {"throughput": phase_throughput, "determinism": phase_determinism, "cost": phase_cost}[args.phase](args, out)
     return report(out, args.recipe, args.note)
 
 
