@@ -666,11 +666,6 @@ class Recipe:
                     "loss.fusion_impl: te (Transformer Engine's parallel_cross_entropy, a Triton kernel) needs "
                     "CUDA; use native or auto for loss.impl=megatron_fused on CPU"
                 )
-            if self.model.position_embedding == "rope":
-                raise RecipeError(
-                    "model.position_embedding: rope needs CUDA (megatron-core moves the rotary frequencies to "
-                    "the GPU); use learned_absolute on CPU"
-                )
             if self.model.recompute_granularity is not None:
                 raise RecipeError(
                     f"model.recompute_granularity: {self.model.recompute_granularity} needs CUDA (megatron-core's "

@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cce_parallel.config import Recipe
 from cce_parallel.megatron import local_gpt_block_spec, local_gpt_layer_spec, padded_vocab_size, use_cce
+from cce_parallel.megatron.rotary import use_local_rotary
 
 
 def have_te() -> bool:
@@ -164,6 +165,7 @@ def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, dev
         rope_scaling=m.rope_scaling_factor is not None,
         rope_scaling_factor=m.rope_scaling_factor or 8.0,  # megatron's default, unused without scaling
     )
+    use_local_rotary(model)  # RoPE's frequencies stay on the model's device (CPU runs too)
     if m.scale_embeddings and model.pre_process:
         model.embedding.register_forward_hook(_scale_by_sqrt_hidden)
     if loss.is_cce:
