@@ -162,7 +162,20 @@ class ModelConfig(Section):
     attention: Literal["auto", "te", "sdpa"] = "auto"
     """Layer spec: ``te`` Transformer Engine layers, ``sdpa`` megatron-core's local layers with core
     attention on torch's scaled_dot_product_attention (CPU and GPUs), ``auto``: te when Transformer
-    Engine is installed and the run is on CUDA, else sdpa."""
+    Engine is installed and the run is on CUDA, else sdpa. The Gemma 2 options below need sdpa
+    (auto picks it for them)."""
+    attention_softcap: float | None = None
+    """Gemma 2's attention-logit soft-capping softcap · tanh(score / softcap) on every layer (Gemma 2:
+    50.0), by flex_attention on CUDA; None: off. No attention dropout with it."""
+    sliding_window: int | None = None
+    """Gemma 2's sliding-window attention on every other layer (the 1st, 3rd, ...): a query sees the
+    sliding_window most recent positions, itself included (Gemma 2: 4096); None: all layers global."""
+    post_norms: bool = False
+    """Gemma 2's sandwich norms: a norm on the attention output and on the MLP output, before each
+    residual add (as well as the pre-norms)."""
+    zero_centered_norm: bool = False
+    """Norm weights w applied as (1 + w) and initialized to 0, as Gemma stores them (megatron-core's
+    layernorm_zero_centered_gamma); the norms compute in fp32."""
 
     def __post_init__(self):
         self._positive("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -181,6 +194,12 @@ class ModelConfig(Section):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 self._fail(name, "must be in [0, 1)")
+        self._positive("attention_softcap", "sliding_window", allow_none=True)
+        for name in self.gemma2_options:
+            if self.attention == "te":
+                self._fail("attention", f"te cannot express model.{name} (Transformer Engine layers); use sdpa or auto")
+            if name in ("attention_softcap", "sliding_window") and self.attention_dropout > 0:
+                self._fail("attention_dropout", f"must be 0 with model.{name} (flex_attention has no dropout)")
         self._check_recompute()
 
     def _check_recompute(self):
@@ -211,6 +230,12 @@ class ModelConfig(Section):
                 # always takes its FP8 path (``fp8 is not None``) and so needs Transformer Engine.
                 self._fail("recompute_modules", "layernorm needs Transformer Engine layers in megatron-core "
                                                 "(model.attention=te)")
+
+    @property
+    def gemma2_options(self) -> list[str]:
+        """The Gemma 2 layer options that are on (they need the local layer spec)."""
+        names = ("attention_softcap", "sliding_window", "post_norms", "zero_centered_norm")
+        return [n for n in names if getattr(self, n) not in (None, False)]
 
     @property
     def recompute_module_list(self) -> list[str]:

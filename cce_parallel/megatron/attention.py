@@ -12,13 +12,24 @@ memory-efficient kernels, with no Transformer Engine and no apex. megatron-core'
 ``DotProductAttention`` builds the [b, np, sq, sk] score matrix and its causal mask on CUDA only.
 
 Masking follows ``DotProductAttention``: an explicit mask wins; without one, ``AttnMaskType.causal``
-means a causal mask, anything else no mask. The softmax scale is ``config.softmax_scale`` or
+means a causal mask, anything else no mask.
+
+Gemma 2's attention (``softcap``, ``sliding_window``; causal, no explicit mask, no dropout):
+    scores = q·kᵀ · scale;  scores = softcap · tanh(scores / softcap)
+    key j is seen by query i when j <= i and i - j < sliding_window (window layers only)
+The window applies to the layers with an odd ``layer_number`` (1, 3, ...: megatron-core numbers
+layers from 1 over the whole model, pipeline stages included), the others attend globally, as
+Gemma 2 alternates them from its first layer. On CUDA this is torch's ``flex_attention``, compiled
+(the softcap a ``score_mod``, causality and the window a block mask, cached per sequence length,
+so fully masked tiles are skipped); elsewhere, where flex_attention has no backward, the same
+math on the materialized [b, np, sq, sk] scores, in fp32. A layer with neither keeps SDPA. The softmax scale is ``config.softmax_scale`` or
 1/sqrt(hn) (``apply_query_key_layer_scaling`` only rescales inside Megatron's fp16 softmax and
 cancels out, so it is ignored here). Attention dropout draws from the tensor-parallel RNG tracker
 (a different stream per TP rank, as Megatron does) when it is initialized.
 """
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -46,6 +57,8 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
     ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -61,6 +74,15 @@ class SDPAttention(MegatronModule):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window!r}")
+        self.softcap = softcap
+        # Gemma 2: the window on layers 1, 3, ... (layer_number counts from 1 over all stages).
+        self.window = sliding_window if sliding_window is not None and self.layer_number % 2 == 1 else None
+        if (self.softcap is not None or self.window is not None) and self.dropout_p > 0:
+            raise ValueError("attention softcap / sliding window: attention dropout is not supported")
 
     def forward(
         self,
@@ -87,6 +109,12 @@ class SDPAttention(MegatronModule):
             if sq != key.shape[0]:
                 raise ValueError(f"a causal mask needs sq == sk, got {sq} and {key.shape[0]}")
             is_causal = True
+        if self.softcap is not None or self.window is not None:
+            if attention_mask is not None or mask_type != AttnMaskType.causal or sq != key.shape[0]:
+                raise ValueError("attention softcap / sliding window: causal self-attention without an explicit "
+                                 "attention_mask only")
+            out = capped_attention(q, k, v, scale=self.softmax_scale, softcap=self.softcap, window=self.window)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * head_dim)
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = k.shape[1] != n_heads
         if gqa:
@@ -105,6 +133,65 @@ class SDPAttention(MegatronModule):
             )
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * head_dim)
+
+
+def capped_attention(q, k, v, *, scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+    """Causal attention with a logit softcap and/or a sliding window (see the module doc).
+    q [b, np, s, hn], k and v [b, ng, s, hn] (np a multiple of ng) -> [b, np, s, hn]."""
+    if q.is_cuda:
+        return _compiled_flex_attention()(
+            q, k, v, score_mod=_softcap_mod(softcap), block_mask=_block_mask(q.shape[2], window, q.device),
+            scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+        )
+    return math_capped_attention(q, k, v, scale=scale, softcap=softcap, window=window)
+
+
+def math_capped_attention(q, k, v, *, scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+    """``capped_attention`` on materialized scores (fp32): the CPU path, and the tests' reference."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    s = q.shape[2]
+    i = torch.arange(s, device=q.device)
+    keep = i[None, :] <= i[:, None]
+    if window is not None:
+        keep = keep & (i[:, None] - i[None, :] < window)
+    probs = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=16)  # one function per softcap: torch.compile guards on its identity
+def _softcap_mod(softcap: float | None):
+    if softcap is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _block_mask(s: int, window: int | None, device: torch.device):
+    """flex_attention's block mask for causal attention within `window` (None: causal only)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(sliding if window is not None else causal, None, None, s, s, device=device)
 
 
 def _dropout_rng(dropout_p: float, sequence_parallel: bool, device: torch.device):

@@ -125,12 +125,16 @@ def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, in
         recompute_modules=m.recompute_module_list if m.recompute_granularity == "selective" else None,
         # Megatron's own switch: Transformer Engine's deterministic kernels, no nondeterministic fusions.
         deterministic_mode=recipe.train.deterministic,
+        layernorm_zero_centered_gamma=m.zero_centered_norm,
     )
 
 
 def use_te(recipe: Recipe, device: str) -> bool:
+    """Transformer Engine layers: model.attention te, or auto on CUDA with TE installed and no
+    Gemma 2 option (those need the local spec)."""
     attention = recipe.model.attention
-    return attention == "te" or (attention == "auto" and device == "cuda" and have_te())
+    auto = attention == "auto" and device == "cuda" and have_te() and not recipe.model.gemma2_options
+    return attention == "te" or auto
 
 
 def layer_spec(recipe: Recipe, config: TransformerConfig, device: str):
@@ -142,10 +146,13 @@ def layer_spec(recipe: Recipe, config: TransformerConfig, device: str):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
-    if config.sequence_parallel:
-        # The final norm must be a LocalNorm too (its grads are all-reduced over TP under SP).
-        return local_gpt_block_spec(config)
-    return local_gpt_layer_spec()
+    m = recipe.model
+    gemma2 = {"attention_softcap": m.attention_softcap, "sliding_window": m.sliding_window, "post_norms": m.post_norms}
+    if config.sequence_parallel or m.zero_centered_norm:
+        # The final norm must be a LocalNorm too: its grads are all-reduced over TP under SP, and
+        # megatron-core's own local final norm refuses zero-centered weights.
+        return local_gpt_block_spec(config, **gemma2)
+    return local_gpt_layer_spec(**gemma2)
 
 
 def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, device: str) -> GPTModel:

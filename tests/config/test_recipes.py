@@ -75,6 +75,16 @@ def test_gemma_recipe_is_gemma_2_2b():
         "geglu", "RMSNorm", 1e-6, "rope", 10000)
     assert m.tie_embeddings and m.scale_embeddings and not m.add_bias_linear
     assert load_recipe(ROOT / "recipes" / "gemma-2b-owt.yaml").loss.softcap == 30.0
+    assert (m.post_norms, m.zero_centered_norm, m.attention_softcap, m.sliding_window) == (True, True, 50.0, 4096)
+
+
+def test_gemma2_options_are_checked():
+    for model, key in (({"attention_softcap": 0.0}, "model.attention_softcap"),
+                       ({"sliding_window": -1}, "model.sliding_window"),
+                       ({"post_norms": True, "attention": "te"}, "model.attention: te cannot express model.post_norms"),
+                       ({"attention_softcap": 50.0, "attention_dropout": 0.1}, "model.attention_dropout")):
+        with pytest.raises(RecipeError, match=f"^{key}"):
+            recipe_from_dict({"model": model})
     with pytest.raises(RecipeError, match="^loss.softcap"):
         load_recipe(ROOT / "recipes" / "gemma-2b-owt.yaml", ["loss.impl=megatron"])
 
