@@ -76,6 +76,9 @@ def test_gemma_recipe_is_gemma_2_2b():
     assert m.tie_embeddings and m.scale_embeddings and not m.add_bias_linear
     assert load_recipe(ROOT / "recipes" / "gemma-2b-owt.yaml").loss.softcap == 30.0
     assert (m.post_norms, m.zero_centered_norm, m.attention_softcap, m.sliding_window) == (True, True, 50.0, 4096)
+    from cce_parallel.hf.convert import architecture
+
+    assert architecture(load_recipe(ROOT / "recipes" / "gemma-2b-owt.yaml")) == "gemma2"
 
 
 def test_gemma2_options_are_checked():
