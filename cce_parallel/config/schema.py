@@ -173,6 +173,11 @@ class ModelConfig(Section):
     post_norms: bool = False
     """Gemma 2's sandwich norms: a norm on the attention output and on the MLP output, before each
     residual add (as well as the pre-norms)."""
+    init_from: str | None = None
+    """``hf:<dir>``: start from the weights of a local transformers model directory (config.json +
+    safetensors, as save_pretrained writes it) of the same architecture and sizes (checked; GPT-2,
+    Llama or Gemma 2, see cce_parallel.hf); each rank reads only its own shards. Ignored when the run
+    resumes from a checkpoint. None: random initialization."""
     zero_centered_norm: bool = False
     """Norm weights w applied as (1 + w) and initialized to 0, as Gemma stores them (megatron-core's
     layernorm_zero_centered_gamma); the norms compute in fp32."""
@@ -195,6 +200,8 @@ class ModelConfig(Section):
             if not 0.0 <= getattr(self, name) < 1.0:
                 self._fail(name, "must be in [0, 1)")
         self._positive("attention_softcap", "sliding_window", allow_none=True)
+        if self.init_from is not None and (not self.init_from.startswith("hf:") or len(self.init_from) < 4):
+            self._fail("init_from", "must be hf:<transformers model directory>, or null")
         for name in self.gemma2_options:
             if self.attention == "te":
                 self._fail("attention", f"te cannot express model.{name} (Transformer Engine layers); use sdpa or auto")

@@ -94,6 +94,9 @@ class Trainer:
         )
         self.config = transformer_config(recipe, dtype=self.dtype, cpu_init=device == "cpu")
         model = build_gpt(recipe, self.config, vocab_size=self.vocab_size, device=device)
+        self.info = info
+        if recipe.model.init_from and resume_from is None:
+            self._init_from(model, info)
         self.params_local, stage_params = count_parameters(model, recipe.parallel.tensor)
         self.params_total = self._total_parameters(stage_params)
         self.engine = build_engine(recipe, model, self.config, device=device, dtype=self.dtype)
@@ -163,6 +166,21 @@ class Trainer:
             return Path(resume)
         except checkpoint.CheckpointError as err:
             raise RecipeError(f"checkpoint.resume: {resume}: {err}") from None
+
+    def _init_from(self, model, info):
+        """model.init_from: this rank's shards of a transformers checkpoint (cce_parallel.hf)."""
+        from cce_parallel.hf.convert import ConversionError
+        from cce_parallel.hf.load import load_hf
+
+        start = time.perf_counter()
+        try:
+            report = load_hf(model, self.recipe, self.recipe.model.init_from, tokenizer_vocab=info.vocab_size)
+        except ConversionError as err:
+            message = str(err)
+            raise RecipeError(message if message.startswith("model.") else f"model.init_from: {message}") from None
+        if self.rank0:
+            print(f"initialized from {report['path']} ({report['architecture']}, {report['tensors']} tensors on rank 0, "
+                  f"{time.perf_counter() - start:.1f} s)", flush=True)
 
     def _warn(self, line: str):
         if self.rank0:
@@ -282,7 +300,9 @@ class Trainer:
 
     def save(self):
         """Start a checkpoint of this step; training goes on once the state is in host memory."""
-        meta = {"layout": self.layout, "recipe": recipe_to_dict(self.recipe), "loss_impl": self.recipe.loss.impl}
+        meta = {"layout": self.layout, "recipe": recipe_to_dict(self.recipe), "loss_impl": self.recipe.loss.impl,
+                "vocab_size": self.vocab_size, "tokenizer_vocab_size": self.info.vocab_size,
+                "dataset": self.info.out_dir}
         start = time.perf_counter()
         self._log_saved(self.checkpointer.wait())  # the one before, unless it is done
         waited = time.perf_counter() - start
