@@ -1,8 +1,9 @@
-"""Through the train job (torchrun, 2 gloo ranks, TP 2, RoPE on CPU), as a user would: train a
-tiny Llama and a tiny Gemma 2, export the checkpoint with ``python -m cce_parallel.export``, and
+"""Through the train job (torchrun, 2 gloo ranks, RoPE on CPU), as a user would: train a tiny
+Llama (TP 2) and a tiny Gemma 2 (FSDP2 over 2 data-parallel ranks), export the checkpoint with ``python -m cce_parallel.export``, and
 check that transformers computes the run's own validation loss from the export (fp32, 1e-4
 relative); then start a run from the export (``model.init_from``) and check that its first loss
-is transformers' loss on that batch. The vocabulary is padded (1,024 BPE tokens to 1,536 rows):
+is transformers' loss on that batch. The vocabulary is padded (1,024 BPE tokens to 1,536 rows at
+TP 2, 1,152 at TP 1):
 the default export cuts the padding, ``--keep-padding`` keeps it (then the losses are exactly ours)."""
 
 import json
@@ -25,7 +26,7 @@ MODELS = {
                "model.add_bias_linear=false", "model.num_query_groups=2", "model.kv_channels=32",
                "model.layernorm_epsilon=1e-6", "model.scale_embeddings=true", "model.post_norms=true",
                "model.zero_centered_norm=true", "model.attention_softcap=20.0", "model.sliding_window=24",
-               "loss.softcap=30.0"],
+               "loss.softcap=30.0", "parallel.tensor=1", "parallel.fsdp=torch"],  # FSDP2 over 2 ranks
 }
 COMMON = ["model.make_vocab_size_divisible_by=384", "train.steps=3", "optim.warmup_steps=1", "eval.interval=0",
           "eval.iters=1", "checkpoint.interval=0", "logging.interval=1", "data.max_documents=2000"]
@@ -85,16 +86,17 @@ def test_train_export_and_init_from(tmp_path, data_dir, arch):
     run_dir = tmp_path / arch
     ours = read_metrics(run_dir / "metrics.jsonl")["eval"][3]["val_loss"]
 
+    rows = 1536 if arch == "llama" else 1152  # 1,024 padded to a multiple of 384 · tp
     cut = _export(run_dir, tmp_path / "hf")  # the run directory: its latest checkpoint
-    assert (cut["architecture"], cut["vocab_size"], cut["padded_vocab"], cut["step"]) == (arch, 1024, 1536, 3)
+    assert (cut["architecture"], cut["vocab_size"], cut["padded_vocab"], cut["step"]) == (arch, 1024, rows, 3)
     padded = _export(run_dir / "checkpoints" / "step_0000003", tmp_path / "hf_padded", "--keep-padding")
-    assert padded["vocab_size"] == 1536
+    assert padded["vocab_size"] == rows
     hf_val = _hf_loss(tmp_path / "hf_padded", run_dir, "valid", 0)
     assert abs(hf_val - ours) < 1e-4 * ours, (hf_val, ours)
     # Without the padded rows the other logits are the same, and the softmax loses the padded rows'
-    # share: the loss is lower, by at most ln(1536 / 1024) (all rows equal).
+    # share: the loss is lower, by at most ln(rows / 1024) (all rows equal).
     cut_val = _hf_loss(tmp_path / "hf", run_dir, "valid", 0)
-    assert 0 < ours - cut_val < math.log(1536 / 1024) + 1e-3, (cut_val, ours)
+    assert 0 < ours - cut_val < math.log(rows / 1024) + 1e-3, (cut_val, ours)
 
     text = "def f(x):\n    return x + 1\n"
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
