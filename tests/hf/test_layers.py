@@ -113,3 +113,35 @@ def test_flex_attention_matches_the_math_path():
         out = flex_attention(q, k, v, score_mod=_softcap_mod(softcap), block_mask=_block_mask(19, window, q.device),
                              scale=0.3, enable_gqa=True)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_clear_errors():
+    """An architecture the export cannot write names the option; a config.json that differs from
+    the recipe names the first difference; init_from and the export check their paths."""
+    from cce_parallel.config import RecipeError, recipe_from_dict
+    from cce_parallel.hf.convert import ConversionError, architecture, check_config, hf_config
+    from cce_parallel.hf.export import resolve_checkpoint
+    from cce_parallel.hf.load import init_from_path
+
+    with pytest.raises(ConversionError, match=r"^model.normalization: 'LayerNorm'; a LlamaForCausalLM needs RMSNorm"):
+        architecture(recipe_from_dict({"model": {"activation": "swiglu", "position_embedding": "rope"}}))
+    with pytest.raises(ConversionError, match=r"^model.post_norms: False; a Gemma2ForCausalLM needs true"):
+        architecture(tiny.recipe("gemma2", post_norms=False))
+    with pytest.raises(ConversionError, match=r"^loss.softcap"):
+        architecture(recipe_from_dict({"loss": {"softcap": 30.0}}))
+    recipe = tiny.recipe("llama")
+    config = hf_config(recipe, tiny.VOCAB)
+    check_config(recipe, config, where="x", vocab=(tiny.VOCAB, tiny.VOCAB))
+    for change, message in (({"num_key_value_heads": 4}, r"^model.num_query_groups: the recipe gives num_key_value_heads=2, x has num_key_value_heads=4"),
+                            ({"intermediate_size": 96, "hidden_size": 48}, r"^model.hidden_size"),
+                            ({"model_type": "gpt2"}, r"^model.init_from: x holds a 'gpt2' model"),
+                            ({"vocab_size": 300}, r"^model.vocab_size: x has vocab_size=300"),
+                            ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, r"^model.rotary_base")):
+        with pytest.raises(ConversionError, match=message):
+            check_config(recipe, dict(config, **change), where="x", vocab=(tiny.VOCAB, tiny.VOCAB))
+    with pytest.raises(RecipeError, match=r"^model.init_from: must be hf:"):
+        recipe_from_dict({"model": {"init_from": "/some/dir"}})
+    with pytest.raises(ConversionError, match="is not a transformers model directory"):
+        init_from_path("hf:/nonexistent")
+    with pytest.raises(ConversionError, match="not a checkpoint"):
+        resolve_checkpoint("/nonexistent")
