@@ -402,12 +402,32 @@ def test_local_spec_swaps_attention_and_norms():
     assert sub.input_layernorm is LocalNorm and sub.pre_mlp_layernorm is LocalNorm
     attn = sub.self_attention.submodules
     assert (
-        attn.core_attention is SDPAttention
+        attn.core_attention.module is SDPAttention
+        and attn.core_attention.params == {"softcap": None, "sliding_window": None}
         and attn.q_layernorm is LocalNorm
         and attn.k_layernorm is LocalNorm
     )
     text = repr(spec)
     assert DotProductAttention.__name__ not in text and WrappedTorchNorm.__name__ not in text
+
+
+def test_gemma2_spec_options():
+    """Gemma 2's options: post-norm attention and MLP, the softcap and window for SDPAttention,
+    and (1 + w) norms (ZeroCenteredNorm) with layernorm_zero_centered_gamma."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from cce_parallel.megatron import LocalNorm, local_gpt_layer_spec
+    from cce_parallel.megatron.spec import PostNormMLP, PostNormSelfAttention, ZeroCenteredNorm
+
+    sub = local_gpt_layer_spec(attention_softcap=50.0, sliding_window=4096, post_norms=True).submodules
+    assert sub.self_attention.module is PostNormSelfAttention and sub.mlp.module is PostNormMLP
+    assert sub.self_attention.submodules.core_attention.params == {"softcap": 50.0, "sliding_window": 4096}
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                               layernorm_zero_centered_gamma=True)
+    norm = LocalNorm(config=config, hidden_size=8, eps=1e-6)
+    assert isinstance(norm, ZeroCenteredNorm) and torch.equal(norm.weight, torch.zeros(8))
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (8,), eps=1e-6))
 
 
 def test_import_without_megatron():
