@@ -196,23 +196,24 @@ def report(out: Path, recipe: str, note: str = "") -> int:
     # det-c: a later launch of det-a's command on the machine that ran plain (phase "cost").
     det = [n for n in ("det-a", "det-b", "det-sig", "det-c") if n in runs]
     if det:
-        steps = sorted(runs["det-a"]["train"], key=int)
-        same = {n: all(runs[n]["train"].get(s, {}).get(k) == runs["det-a"]["train"][s][k]
+        ref = det[0]  # det-a, unless only phase cost ran
+        steps = sorted(runs[ref]["train"], key=int)
+        same = {n: all(runs[n]["train"].get(s, {}).get(k) == runs[ref]["train"][s][k]
                        for s in steps for k in ("loss", "grad_norm")) for n in det}
         sig = runs.get("det-sig", {})
         resumed_at = list(sig.get("resume", {}))
-        summary["determinism"] = {"steps": len(steps), "bitwise_equal_to_det_a": same,
+        summary["determinism"] = {"steps": len(steps), "reference": ref, "bitwise_equal": same,
                                   "signalled_at": [x["signalled_at"] for x in sig.get("launches", [])],
                                   "exits": [x["exit"] for x in sig.get("launches", [])], "resumed_at": resumed_at}
         lines += ["## Deterministic mode (train.deterministic: true)", "",
-                  f"Per-step loss and gradient norm over {len(steps)} steps, compared bit for bit with det-a:", "",
-                  "| run | bitwise equal to det-a |", "|---|---|"]
+                  f"Per-step loss and gradient norm over {len(steps)} steps, compared bit for bit with {ref}:", "",
+                  f"| run | bitwise equal to {ref} |", "|---|---|"]
         lines += [f"| {n} | {'yes' if same[n] else 'NO'} |" for n in det]
         if sig:
             lines += ["", f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
                           f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}."]
         if "plain" in runs:
-            d, p = tokens_per_s(runs.get("det-c", runs["det-a"])), tokens_per_s(runs["plain"])
+            d, p = tokens_per_s(runs[det[-1]] if det[-1] == "det-c" else runs[ref]), tokens_per_s(runs["plain"])
             summary["determinism"].update(tokens_per_s=d, plain_tokens_per_s=p, ratio=d / p)
             lines += ["", f"Throughput: {d:,.0f} tokens/s against {p:,.0f} without deterministic mode ({d / p:.3f}x)."]
         lines.append("")
