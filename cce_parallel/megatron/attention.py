@@ -142,8 +142,15 @@ def capped_attention(q, k, v, *, scale: float, softcap: float | None, window: in
         return _compiled_flex_attention()(
             q, k, v, score_mod=_softcap_mod(softcap), block_mask=_block_mask(q.shape[2], window, q.device),
             scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+            kernel_options=_WIDE_HEADS if q.shape[-1] > 128 else None,
         )
     return math_capped_attention(q, k, v, scale=scale, softcap=softcap, window=window)
+
+
+# flex_attention's tiles for heads wider than 128 (Gemma 2: 256): fwd+bwd at b 4, s 2048, 8 / 4
+# heads on an H100 took 2.13 ms with these, 2.80 ms with its defaults (SDPA's flash, causal
+# without softcap: 0.99 ms).
+_WIDE_HEADS = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
 def math_capped_attention(q, k, v, *, scale: float, softcap: float | None, window: int | None) -> torch.Tensor:

@@ -25,6 +25,7 @@ residual add (``PostNormSelfAttention``, ``PostNormMLP``; state-dict keys
 """
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +164,16 @@ def _local_modules() -> dict:
     return mapping
 
 
+def _post_norm_mlp(mlp):
+    """The layer spec's MLP entry with PostNormMLP for MLP: a ModuleSpec (megatron-core 0.16), or
+    a functools.partial of ``MLP.as_mlp_submodule`` (0.19)."""
+    if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
+        return dataclasses.replace(mlp, module=PostNormMLP)
+    if isinstance(mlp, functools.partial) and getattr(mlp.func, "__self__", None) is MLP:
+        return functools.partial(getattr(PostNormMLP, mlp.func.__name__), *mlp.args, **mlp.keywords)
+    raise TypeError(f"post_norms: the layer spec's MLP is neither megatron-core's dense MLP spec nor its builder: {mlp!r}")
+
+
 def local_gpt_layer_spec(
     *, attention_softcap: float | None = None, sliding_window: int | None = None, post_norms: bool = False, **kwargs
 ) -> ModuleSpec:
@@ -181,7 +192,7 @@ def local_gpt_layer_spec(
     mlp = spec.submodules.mlp
     if post_norms:
         attention = dataclasses.replace(attention, module=PostNormSelfAttention)
-        mlp = dataclasses.replace(mlp, module=PostNormMLP)
+        mlp = _post_norm_mlp(mlp)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention, mlp=mlp))
 
 
