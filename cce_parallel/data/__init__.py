@@ -19,8 +19,8 @@ class DataError(ValueError):
 
 
 _EXPORTS = {
-    "DatasetInfo": "prepare",
-    "load_dataset_info": "prepare",
+    "DatasetInfo": "info",
+    "load_dataset_info": "info",
     "prepare_dataset": "prepare",
     "split_documents": "prepare",
     "Tokenizer": "tokenizer",

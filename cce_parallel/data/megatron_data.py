@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cce_parallel.data import DataError
-from cce_parallel.data.prepare import CACHE_NAME, DatasetInfo
+from cce_parallel.data.info import DatasetInfo
+from cce_parallel.data.prepare import CACHE_NAME
 from cce_parallel.data.tokenizer import Tokenizer, load_tokenizer
 
 _HELPERS = "megatron.core.datasets.helpers_cpp"

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from cce_parallel.data import DataError
+from cce_parallel.data.info import load_dataset_info
 
 BPE_EOD = "<|endoftext|>"
 # End-of-text tokens of common Hugging Face tokenizers (GPT-2/Qwen/Phi, Llama 3, Llama 2/Mistral,
@@ -310,8 +311,6 @@ def load_tokenizer(info_or_spec) -> Tokenizer:
     spec = os.fspath(info_or_spec)
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "dataset.json").is_file():
-        from cce_parallel.data.prepare import load_dataset_info
-
         return load_tokenizer(load_dataset_info(path))
     if path.is_file() and path.suffix == ".json":
         return HFTokenizer.from_file(path)

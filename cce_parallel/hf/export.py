@@ -130,7 +130,7 @@ def export(checkpoint, out_dir, *, dtype: str = "fp32", keep_padding: bool = Fal
 
 
 def _dataset_info(meta: dict, recipe, data_dir):
-    from cce_parallel.data.prepare import load_dataset_info
+    from cce_parallel.data.info import load_dataset_info
 
     candidates = [data_dir] if data_dir else [meta.get("dataset"), recipe.data.resolved_dir()]
     for candidate in candidates:

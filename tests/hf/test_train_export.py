@@ -57,7 +57,7 @@ def _hf_loss(hf_dir, run_dir, which: str, first_sample: int) -> float:
     from transformers import AutoModelForCausalLM
 
     from cce_parallel.config import recipe_from_dict
-    from cce_parallel.data.prepare import load_dataset_info
+    from cce_parallel.data.info import load_dataset_info
     from cce_parallel.data.tokenizer import load_tokenizer
     from cce_parallel.train.data import build_batches
 
