@@ -347,6 +347,10 @@ class Trainer:
         if self.step >= r.train.steps:
             self.metrics.print(f"nothing to do: the checkpoint is at step {self.step} of {r.train.steps}")
             return
+        if self.step > 0:  # resumed: the optimizer has its state already
+            # The first save after a restart blocked 6.0 s instead of 1.3 s on 4x H100 (Gemma 2 2B,
+            # 3 steps in) while its buffers were still allocated after the first step.
+            self.checkpointer.prepare(self.engine)
         try:
             while self.step < stop:
                 result = self.train_step()
@@ -356,7 +360,7 @@ class Trainer:
                     self.metrics.train_line(dict(result, device=self.device), r.train.steps)
                 self.metrics.record("train", **result)
                 if self.step == self.start_step + 1:
-                    self.checkpointer.prepare(self.engine)  # host buffers for the saves, in the background
+                    self.checkpointer.prepare(self.engine)  # host buffers for the saves, in the background (once)
                 if not math.isfinite(result["loss"]):
                     raise FloatingPointError(f"the loss is {result['loss']} at step {self.step}")
                 self._log_saved(self.checkpointer.poll())
