@@ -51,6 +51,15 @@ def resolve_logits_budget(budget, logits_bytes: int = 0, *, bf16_dc: bool = True
     return budget
 
 
+def _interpreted() -> bool:
+    """Whether triton was imported under TRITON_INTERPRET=1: its jit functions are then the
+    interpreter's (the flag is read when a function is decorated, for triton's own at import)."""
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.sum, InterpretedFunction)
+
+
 def _triton_usable(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Triton kernels run for this device and dtype; otherwise warn once and use PyTorch."""
     if not IMPL_TRAITS[impl].triton:
@@ -62,6 +71,13 @@ def _triton_usable(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
         reason = "triton is not installed"
     if reason is None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         reason = "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported) to run the kernels"
+    if reason is None and device.type == "cpu" and not _interpreted():
+        raise RuntimeError(
+            "cce_parallel: TRITON_INTERPRET=1 was set after triton was imported (by your script or by a "
+            "package such as megatron.core), so triton's own functions are compiled ones and the kernels "
+            "would fail with \"Cannot call @triton.jit'd outside of the scope of a kernel\". Set it before "
+            "anything imports triton: first thing in the script, or TRITON_INTERPRET=1 in the environment."
+        )
     if reason is None and device.type == "cpu" and dtype != torch.float32:
         reason = f"the Triton interpreter (CPU) runs the kernels in float32 only, not {dtype}"
     if reason is None and device.type not in ("cpu", "cuda"):

@@ -81,8 +81,10 @@ def prepare_environment(recipe: Recipe, device: str):
         # The CCE kernels run on CPU tensors only under the Triton interpreter, which triton
         # reads when it is first imported.
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            # Set now, the kernels would fail (ops/functional.py raises): torch's ops instead.
             warnings.warn("triton was imported before TRITON_INTERPRET=1 could be set: CCE falls back to torch")
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        else:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
         # All ranks of a CPU run are on this host: gloo over loopback, whatever the hostname resolves to.
         if os.path.exists("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -312,3 +312,21 @@ def test_slurm_usr1_during_set_up_requeues_without_starting(recipe, tmp_path):
     assert (tmp_path / "scontrol.args").read_text().splitlines() == [
         "show hostnames localhost (worker finished: no)", "requeue 4242 (worker finished: no)"
     ], output
+
+
+def test_triton_imported_before_the_cpu_environment_falls_back_to_torch(monkeypatch):
+    """On CPU the train job sets TRITON_INTERPRET=1 before megatron.core imports triton. Where
+    triton came first, it says so and leaves the variable unset, so that the loss takes torch's
+    ops instead of failing in the kernels."""
+    from cce_parallel.config import load_recipe
+    from cce_parallel.train import launch as train_launch
+
+    pytest.importorskip("triton")  # imported (under the tests' TRITON_INTERPRET=1)
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.warns(UserWarning, match="falls back to torch"):
+        train_launch.prepare_environment(recipe, "cpu")
+    assert "TRITON_INTERPRET" not in os.environ
+    monkeypatch.delitem(sys.modules, "triton")  # as if not imported yet (monkeypatch puts it back)
+    train_launch.prepare_environment(recipe, "cpu")
+    assert os.environ["TRITON_INTERPRET"] == "1"

@@ -4,6 +4,10 @@ Each check runs with impl "torch" and with a Triton impl: the errors must come b
 """
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +164,22 @@ def test_mixed_cuda_cpu_devices(which, impl, cuda):
     args[which] = args[which].cpu()
     with pytest.raises(ValueError, match="device"):
         call(args, impl=impl)
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_triton_interpret_set_after_triton_names_the_cause(late):
+    """TRITON_INTERPRET=1 set after triton's import (megatron.core imports triton) left triton's own
+    functions compiled: the kernels failed with "Cannot call @triton.jit'd outside of the scope of
+    a kernel". The loss now says why; set in time, the same script runs."""
+    order = "import triton, os; os.environ['TRITON_INTERPRET'] = '1'" if late else \
+        "import os; os.environ['TRITON_INTERPRET'] = '1'; import triton"
+    script = (f"{order}\nimport torch, cce_parallel\n"
+              "e = torch.randn(8, 16, requires_grad=True); c = torch.randn(32, 16, requires_grad=True)\n"
+              "cce_parallel.linear_cross_entropy(e, c, torch.randint(0, 32, (8,))).backward()\nprint('ran')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    if late:
+        assert out.returncode != 0 and "was set after triton was imported" in out.stderr, out.stderr[-2000:]
+    else:
+        assert out.returncode == 0 and "ran" in out.stdout, out.stderr[-2000:]
