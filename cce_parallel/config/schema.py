@@ -520,7 +520,11 @@ class CheckpointConfig(Section):
     SECTION = "checkpoint"
 
     interval: int = 10
-    """Save every this many steps (and always at the end); 0: only at the end."""
+    """Save every this many steps (and at the end); 0: only at the end."""
+    at_end: bool = True
+    """Save at the last step. false: not there (nor anywhere with interval 0), for a run whose
+    state nobody needs, such as a benchmark's (a Gemma 2 2B checkpoint takes 20-30 s to write on
+    4x H100); a stop at train.stop_at or on a signal still saves."""
     dir: str | None = None
     """Checkpoint directory; None: ``<run dir>/checkpoints``."""
     keep: int = 2

@@ -371,7 +371,8 @@ class Trainer:
                     return
                 if self.step == r.train.steps or (r.eval.interval and self.step % r.eval.interval == 0):
                     self._eval_and_log()
-                if self.step == stop or (r.checkpoint.interval and self.step % r.checkpoint.interval == 0):
+                last = self.step == stop and (r.checkpoint.at_end or stop < r.train.steps)
+                if last or (r.checkpoint.interval and self.step % r.checkpoint.interval == 0):
                     self.save()
             self._log_saved(self.checkpointer.wait())
         finally:

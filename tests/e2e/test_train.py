@@ -143,6 +143,17 @@ def test_megatron_fused_loss_matches_megatron(tiny_data, runs_dir):
     assert fused[2] < fused[0]  # it trains
 
 
+def test_no_checkpoint_at_the_end_when_not_asked(tiny_data, runs_dir):
+    """checkpoint.at_end=false with interval 0 (a benchmark's run): no checkpoint at all; with an
+    interval, only the interval's."""
+    for name, interval, saved in (("no-save", 0, []), ("every-2", 2, ["step_0000002"])):
+        run_train(base_overrides(runs_dir, tiny_data, name)
+                  + ["parallel.tensor=1", "train.steps=3", "optim.warmup_steps=1", "checkpoint.at_end=false", f"checkpoint.interval={interval}"],
+                  nproc=None)
+        found = sorted(p.name for p in (runs_dir / name / "checkpoints").glob("step_*"))
+        assert found == saved, (name, found)
+
+
 def test_kill_and_resume(tiny_reference, tiny_data, runs_dir):
     """SIGKILL a torchrun run after its step-10 checkpoint; a restart resumes from it and its
     losses from step 11 on are bitwise the uninterrupted run's."""
