@@ -1,10 +1,12 @@
-"""The speed comparisons, one CLI: ``python -m benchmarks {loss,tp,render} [options]``.
+"""The speed comparisons, one CLI: ``python -m benchmarks {loss,tp,sweep,render} [options]``.
 
     loss    one GPU: loss + gradients of every peer side by side (options: ``loss --help``)
     tp      tensor parallelism on every visible GPU against Megatron's output path: one torchrun
             launch per TP size (a fresh process each, so Megatron's global state, the allocator and
             a crash or hang at one size cannot touch the others), then one merged report
             (options: ``tp --help``, plus ``--sizes 1,2,4`` and ``--launch-timeout S``)
+    sweep   the train job at growing sequence lengths / micro-batches, per loss.impl, up to the
+            first that does not fit (benchmarks/train_sweep.py; options: ``sweep --help``)
     render  no GPU: merge result files (both kinds) and rewrite their .md (and .png)
     baseline REF DIR   write cce_parallel as it is at git REF to DIR/cce_parallel_<sha>, for
             ``loss --baseline DIR/cce_parallel_<sha> --methods ours:...,base:...`` (an A/B in one
@@ -95,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_loss.main(rest)
     if command == "tp":
         return run_tp(rest)
+    if command == "sweep":
+        import train_sweep
+
+        return train_sweep.main(rest)
     if command == "render":
         p = argparse.ArgumentParser(prog="python -m benchmarks render")
         p.add_argument("files", nargs="+")
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.dir).mkdir(parents=True, exist_ok=True)
         print(C.export_baseline(a.ref, Path(a.dir)))
         return 0
-    raise SystemExit(f"unknown command {command!r}; known: loss, tp, render, baseline")
+    raise SystemExit(f"unknown command {command!r}; known: loss, tp, sweep, render, baseline")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""benchmarks/train_sweep.py: each impl's sweep stops at its first point that does not train, and
+the report names each impl's largest point and the first impl's ratio over it."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sweep_stops_at_the_first_failure_and_reports_the_largest(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_sweep
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    fits = {"cce": 8192, "megatron": 2048}  # the longest sequence each one trains
+    tried = []
+
+    def launch(args, impl, seq, mbs):
+        tried.append((impl, seq))
+        ok = seq <= fits[impl]
+        meta = {"device_name": "NVIDIA H200", "layout": {"world": 4, "tp": 1, "dp": 4}, "time": 1.8e9,
+                "torch": "2.11", "megatron_core": "0.19.2", "commit": "abc"}
+        return {"impl": impl, "seq": seq, "mbs": mbs, "trained": ok, "tokens_per_s": 1000.0 if ok else None,
+                "peak_mem_max": 2**30 if ok else None, "why": None if ok else "out of memory", "meta": meta}
+
+    monkeypatch.setattr(train_sweep, "launch", launch)
+    out = tmp_path / "out"
+    assert train_sweep.main(["--out", str(out), "--work", str(tmp_path / "work"), "--impls", "cce", "megatron",
+                             "--seq", "2048", "4096", "8192", "16384"]) == 0
+    assert tried == [("cce", 2048), ("cce", 4096), ("cce", 8192), ("cce", 16384), ("megatron", 2048),
+                     ("megatron", 4096)]
+    summary = json.loads(next(out.glob("train_sweep_h200x4_*.json")).read_text())
+    assert summary["largest"] == {"cce": {"seq": 8192, "mbs": 1}, "megatron": {"seq": 2048, "mbs": 1}}
+    assert "| megatron | 2,048 x 1 | 2,048 | 4.00 |" in next(out.glob("train_sweep_h200x4_*.md")).read_text()
