@@ -215,3 +215,23 @@ def spawn(
         queue.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return GroupOutcome(world_size, outcomes, time.monotonic() - start, timed_out)
+
+
+@contextlib.contextmanager
+def one_megatron_rank():
+    """This process as a world of one (gloo) with megatron-core's model-parallel state at TP 1 x
+    PP 1: for building and running a GPTModel in the test process itself."""
+    import socket
+
+    from megatron.core import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

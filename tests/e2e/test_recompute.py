@@ -12,33 +12,23 @@ dropout, so no random numbers are drawn and the RNG state does not matter; every
 (the checkpointed forward, the recompute in the backward) is megatron's own code.
 """
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
 
 from cce_parallel.config import recipe_from_dict  # noqa: E402
+from tests.dist import one_megatron_rank  # noqa: E402
 
 VOCAB = 128
 
 
 @pytest.fixture(scope="module")
 def one_rank():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    try:
+    with one_megatron_rank():
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _loss_and_grads(model_keys: dict, loss_impl: str, monkeypatch):

@@ -2,12 +2,11 @@
 train job's model give HF's logits and loss (GPT-2, Llama with Llama 3 RoPE scaling, Gemma 2 with
 softcaps, sliding window, sandwich and (1 + w) norms), and the weights go back to HF unchanged."""
 
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests.dist import one_megatron_rank
 from tests.hf import tiny
 
 pytestmark = pytest.mark.distributed
@@ -15,18 +14,8 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def one_rank():
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    try:
+    with one_megatron_rank():
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def ours_from_hf(arch: str, hf):
