@@ -118,17 +118,22 @@ def peaked_inputs(
     }
 
 
-def upstream(targets, reduction, return_lse, *, seed=1, uniform=False, ignore_index=-100):
+def upstream(targets, reduction, return_lse, *, seed=1, uniform=False, ignore_index=-100, masked=0.0):
     """Random upstream gradients: for the loss (scalar or shaped like targets) and for lse or None.
 
     uniform: with reduction "none", one random number on every kept token and 0 on ignored ones,
-    as Megatron's loss_mask / count gives (the one-pass path's scalable case)."""
+    as Megatron's loss_mask / count gives (the one-pass path's scalable case). masked: with
+    uniform, about that fraction of the tokens get 0 too, as Megatron's loss_mask / count gives
+    where the mask is not folded into ignore_index."""
     g = generator(targets.device, seed)
     dev = targets.device
     shape = targets.shape if reduction == "none" else ()
     grad_loss = torch.randn(shape, generator=g, device=dev)
     if uniform and reduction == "none":
-        grad_loss = torch.where(targets != ignore_index, grad_loss.reshape(-1)[0], 0.0)
+        keep = targets != ignore_index
+        if masked:
+            keep &= torch.rand(targets.shape, generator=g, device=dev) >= masked
+        grad_loss = torch.where(keep, grad_loss.reshape(-1)[0], 0.0)
     grad_lse = torch.randn(targets.shape, generator=g, device=dev) if return_lse else None
     return grad_loss, grad_lse
 
@@ -211,10 +216,11 @@ def check_against_oracle(
 
 def fresh_backward_state(monkeypatch):
     """As in a fresh process: nothing learned from earlier backwards (ops/autograd.py: no per-token
-    weights seen, loss scale 1, no reports waiting for the host)."""
+    or masked weights seen, loss scale 1, no reports waiting for the host)."""
     from cce_parallel.ops import autograd
 
     monkeypatch.setattr(autograd, "per_token_weights_seen", False)
+    monkeypatch.setattr(autograd, "masked_weights_seen", False)
     monkeypatch.setattr(autograd, "loss_scale", 1.0)
     monkeypatch.setattr(autograd, "loss_scale_unsteady", False)
     monkeypatch.setattr(autograd, "_last_missed", False)

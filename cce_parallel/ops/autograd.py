@@ -24,10 +24,14 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   for a bf16 dC or dE, rounded once already: a ratio that is not a power of two has them
   recomputed (kernels.snap_ratio decides on the device, kernels.weighted_grads recomputes), and
   the forwards after make them for that number (loss_scale below). An fp32 dE, linear in g per
-  token, scales per row whatever g is. Whether a per-token g is one number over the kept tokens
-  is decided on the device, without a host sync: otherwise kernels.weighted_grads recomputes dC,
-  dbias and a bf16 dE (exact), and once the host learns of it (a call later, on a GPU) later
-  per-token calls take the lean path. A gradient through the returned lse recomputes all.
+  token, scales per row whatever g is. A per-token g costs one host sync in the backward, which
+  sorts its weights over the kept tokens (_weights_kind): one number, as above; one number r and
+  0 on m tokens (Megatron's loss_mask / count with the mask not folded), where an fp32 dC and
+  dbias become r (dC - the m rows' part), that part recomputed by the lean backward on those rows
+  alone (where dC or dE was bf16, that call recomputes all and later per-token calls make them in
+  fp32: masked_weights_seen); anything else recomputes dC, dbias and a bf16 dE with the lean
+  backward (exact), and later per-token calls take the lean path. A gradient through the
+  returned lse recomputes all.
 - Lean (logits_budget=0, nothing needing a gradient, and the fallbacks above): the forward folds
   fp32 logit chunks into the statistics; the backward recomputes them and adds dE and dC chunk by
   chunk. Four logit-sized GEMMs, memory within about 100 MB of dE + dC.
@@ -91,7 +95,8 @@ class LossConfig:
     PyTorch path. logits_budget: bytes of the one-pass path's logits buffer per token block, for
     the largest shard of any rank (block_vocab).
     one_pass: take it (a gradient is needed, the budget is > 0, the Triton path). need_de / need_dc /
-    need_db: which inputs need a gradient.
+    need_db: which inputs need a gradient. fp32_grads: the one-pass path makes dC and dE in fp32,
+    not in the input dtype (reduction "none" once masked weights were seen: masked_weights_seen).
     """
 
     impl: str
@@ -108,6 +113,7 @@ class LossConfig:
     need_dc: bool = True
     need_db: bool = True
     loss_scale: float = 1.0  # the one-pass gradients are made for it (a bf16 dC: see loss_scale below)
+    fp32_grads: bool = False  # the one-pass dC and dE in fp32, as for a main_grad (see masked_weights_seen)
 
     @property
     def traits(self) -> ImplTraits:
@@ -689,14 +695,15 @@ def local_stats(e, c, bias, targets, cfg: LossConfig):
     return _combine(*part.rows(), SINGLE, dim=0)
 
 
-def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=True):
+def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=True, dc_out=None):
     """(dE fp32 partial over this rank's vocabulary or None, dC in c's dtype, dbias fp32 or None):
     per vocabulary chunk and block of tokens, the library GEMM recomputes the fp32 logits, one
     Triton pass turns them into the logit gradient (input dtype), and GEMMs add it to dE (fp32) and
     dC. dC is summed over all tokens before it is rounded: in one GEMM when the tokens form one
-    block, else in an fp32 buffer of one chunk's rows."""
+    block, else in an fp32 buffer of one chunk's rows. dc_out: an fp32 [V, D] tensor that dC is
+    added to (not rounded) and returned as dC, or None."""
     if not cfg.use_triton:
-        de, dc, db = reference.backward(e, c, bias, targets, lse, a, b, u, cfg.softcap)
+        de, dc, db = reference.backward(e, c, bias, targets, lse, a, b, u, cfg.softcap, dc_out=dc_out)
         return (de if need_de else None), dc, db
     from cce_parallel import kernels
 
@@ -707,18 +714,19 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
     de = torch.zeros(e.shape, **f32) if need_de else None
     db = torch.zeros(v, **f32) if bias is not None else None
     if n == 0:
-        return de, torch.zeros_like(c), db
+        return de, dc_out if dc_out is not None else torch.zeros_like(c), db
     # The budget holds a chunk's fp32 logits and its logit gradient. With several token blocks, dC
     # is summed in an fp32 buffer of the chunk's rows (dense_min_cols x D floats, ~9 MB at D=2304).
     nt, vc = dense_blocks(n, v, kcfg.bwd_workspace_bytes, e.element_size() + 4, kcfg.bwd_block_v, kcfg.dense_min_cols)
     split = nt < n
-    dc = torch.empty_like(c)
+    dc = torch.empty_like(c) if dc_out is None else dc_out
     ws = torch.empty((nt, vc), device=e.device, dtype=e.dtype)
     x = torch.empty((nt, vc), **f32)
     dc_sum = torch.empty((vc, d), **f32) if split else None
     # fp16 logit gradients are scaled by a power of two (kernels.grad_scale); 1 otherwise.
     fp16 = e.dtype == torch.float16
     scale = kernels.grad_scale(a, b, u) if fp16 else torch.ones(1, **f32)
+    add = dc_out is not None
     for lo in range(0, v, vc):
         hi = min(v, lo + vc)
         for t0 in range(0, n, nt):
@@ -739,47 +747,53 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
             if split:
                 _mm_into(dc_sum[: hi - lo], g.t(), e[rows], accumulate=t0 > 0)
             elif fp16:
-                dc[lo:hi] = torch.mm(g.t(), e[rows], out_dtype=torch.float32).div_(scale)
+                part = torch.mm(g.t(), e[rows], out_dtype=torch.float32).div_(scale)
+                dc[lo:hi] = dc[lo:hi] + part if add else part
+            elif add:
+                _mm_into(dc[lo:hi], g.t(), e[rows], accumulate=True)
             else:
                 torch.mm(g.t(), e[rows], out=dc[lo:hi])  # fp32 accumulation, rounded once
             if db is not None:
                 db[lo:hi] += g.sum(dim=0, dtype=torch.float32).div_(scale)
         if split:
-            dc[lo:hi] = dc_sum[: hi - lo].div_(scale)
+            part = dc_sum[: hi - lo].div_(scale)
+            dc[lo:hi] = dc[lo:hi] + part if add else part
     return de, dc, db
 
 
 # ----------------------------------------------------------------------------------------------
 # the Function
 
-# What the host has learned of earlier backwards' upstream gradients (read_backward_reports):
+# What the host has learned of earlier backwards' upstream gradients:
 #
-# per_token_weights_seen: a per-token loss's backward got per-token weights. From then on,
-# reduction "none" takes the lean path (ops/functional.py), which computes them with no wasted work.
-# Training loops call the loss the same way every step, so only the first call pays for
-# kernels.weighted_grads (and on a GPU the second, already on the one-pass path when the host
-# learns it, for a recompute with library GEMMs).
+# per_token_weights_seen: a per-token loss's backward got weights that were neither one number nor
+# one number and 0 over the kept tokens ("many", _weights_kind). From then on, reduction "none"
+# takes the lean path (ops/functional.py), which computes them with no wasted work.
+# masked_weights_seen: a per-token loss's backward got one number and 0 over the kept tokens
+# (Megatron's (loss * loss_mask).sum() / count with the mask not folded into ignore_index) where the
+# forward had rounded dC or dE to bf16. From then on, reduction "none" makes dC and dE in fp32 in
+# the forward (LossConfig.fp32_grads), so that later such backwards subtract the masked rows' part.
+# Training loops call the loss the same way every step, so only the first call recomputes.
 #
 # loss_scale: the number the one-pass forward makes a bf16 dC and dE for (no fp32 main_grad), times
 # the reduction's own weights: what the caller multiplies the reduced loss by before the backward
 # (1 / micro-batches in Megatron's schedule). The backward scales the stored gradients by the
 # upstream gradient over that; a bf16 gradient scaled by a number that is not a power of two would
 # be rounded a second time (worse than plain bf16 PyTorch), so there kernels.weighted_grads
-# recomputes it (exact, slow) and the host learns the number for later calls (on a GPU from the
-# second call after).
-# expect_loss_scale sets it beforehand.
+# recomputes it (exact, slow) and the host learns the number for later calls (read_backward_reports:
+# on a GPU from the second call after). expect_loss_scale sets it beforehand.
 # loss_scale_unsteady: the number changed between two backwards in a row (loss sites with different
 # weights, say): bf16-dC calls take the lean path from then on, exact for any upstream gradient.
 per_token_weights_seen = False
+masked_weights_seen = False
 loss_scale = 1.0
 loss_scale_unsteady = False
 _last_missed = False  # the last report was a miss (loss_scale is the number it brought)
 
-# Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (code, ratio), event,
-# the loss_scale its forward used). Codes: 0 the stored gradients served, 1 per-token weights, 2 one
-# number whose ratio to loss_scale is not a power of two (a bf16 dC / dE recomputed).
+# Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (missed, ratio), event,
+# the loss_scale its forward used). missed: 1 where the number's ratio to loss_scale is not a power
+# of two (a bf16 dC / dE recomputed), else 0.
 _reports: list = []
-_WEIGHTS, _MISS = 1, 2
 
 
 def expect_loss_scale(scale: float) -> None:
@@ -796,16 +810,16 @@ def expect_loss_scale(scale: float) -> None:
     loss_scale, loss_scale_unsteady, _last_missed = float(scale), False, False
 
 
-def _warn_fallback():
+def _warn_many():
     global per_token_weights_seen
     if not per_token_weights_seen:
         per_token_weights_seen = True
         warnings.warn(
-            "cce_parallel: a per-token loss's upstream gradient was not one number over the kept tokens, so "
-            "the gradients computed in the forward could not just be scaled; they were recomputed (exact, slower). "
-            "Later calls with reduction='none' in this process take the lean path (logits_budget='lean'). "
-            "Fold loss masks into ignore_index (cce_parallel.megatron.mask_labels) to keep the one-pass speed.",
-            stacklevel=4,
+            "cce_parallel: a per-token loss's upstream gradient was neither one number nor one number and 0 over "
+            "the kept tokens, so the gradients computed in the forward could not just be scaled; they were "
+            "recomputed (exact, slower). Later calls with reduction='none' in this process take the lean path "
+            "(logits_budget='lean').",
+            stacklevel=3,
         )
 
 
@@ -827,22 +841,26 @@ def _learn_scale(value: float):
     loss_scale, _last_missed = value, True
 
 
-def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
-    """(ratio, weighted), on the device: whether the per-token weights w differ over the kept tokens
-    (int32 [1], 1 where they do, or where one is NaN), and ratio (0-dim fp32) their one value
-    otherwise (0 when they differ or nothing is kept), by which the one-pass dC and dbias scale.
-    No host sync: that left the GPU idle until the host queued its next work."""
-    if not w.numel():  # no tokens: zero gradients
-        return w.new_zeros(()), torch.zeros(1, device=w.device, dtype=torch.int32)
+def _weights_kind(w: torch.Tensor, keep: torch.Tensor):
+    """(kind, r) of the per-token weights w over the kept tokens, in one host sync: ("one", r) where
+    they all equal r (0 where all are 0 or nothing is kept); ("mask", r) where they are 0 on some
+    and r on all the others; ("many", None) otherwise, NaN included (it must reach the gradients)."""
+    if not w.numel():
+        return "one", 0.0
     inf = float("inf")
-    lo, hi = torch.where(keep, w, inf).amin(), torch.where(keep, w, -inf).amax()
-    weighted = ~(lo >= hi)
-    ratio = torch.where(weighted | (lo == inf), 0.0, lo)
-    return ratio, weighted.to(torch.int32).reshape(1)
+    nonzero = keep & (w != 0)  # NaN counts as nonzero: amin / amax propagate it
+    lo, hi, zeros = torch.stack([torch.where(nonzero, w, inf).amin().double(),
+                                 torch.where(nonzero, w, -inf).amax().double(),
+                                 (keep & (w == 0)).sum().double()]).tolist()
+    if lo == inf:
+        return "one", 0.0
+    if lo != hi:  # NaN too
+        return "many", None
+    return ("mask" if zeros else "one"), lo
 
 
 def _report(packed: torch.Tensor, used: float):
-    """Send a backward's report (fp32 [2] = code, ratio; kernels.snap_ratio) to the host: at once on
+    """Send a backward's report (fp32 [2] = missed, ratio; kernels.snap_ratio) to the host: at once on
     a CPU; on a GPU through a pinned copy that the next call of the loss reads after its forward
     (read_backward_reports). Every tensor-parallel rank gets the same upstream gradient, so they
     all learn the same at the same call."""
@@ -866,10 +884,8 @@ def read_backward_reports():
         host, event, used = _reports.pop(0)
         if event is not None:
             event.synchronize()
-        code, ratio = host.tolist()
-        if code == _WEIGHTS:
-            _warn_fallback()
-        if code == _MISS:
+        missed, ratio = host.tolist()
+        if missed:
             _learn_scale(ratio * used)
         else:
             _last_missed = False
@@ -919,7 +935,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         de = dc = db = None
         if cfg.one_pass:
             lse, zt, zsum, de, dc, db, prepared = one_pass(e_all, c, bias, targets, start, prepare, watch, cfg,
-                                                           comm, main_grad=c_main_grad is not None)
+                                                           comm, main_grad=c_main_grad is not None or cfg.fp32_grads)
             if de is not None:
                 de = _finish_de(de, comm, sequence_parallel)
         else:
@@ -960,66 +976,82 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     "supported when the gradients are computed in the forward; use logits_budget='lean' for that"
                 )
             ctx.gave_gradients = True
-            ratio = weighted = g_k = None
-            scalar = g.numel() and g.stride(0) == 0  # one number expanded (reduction mean or sum)
             # dC and dE made in the input dtype are rounded already: scaled exactly only by a power
             # of two, recomputed otherwise (see below).
             rounded_de = de1 is not None and de1.dtype != torch.float32
             low = rounded_de or (dc1 is not None and dc1.dtype != torch.float32)
-            if scalar:
+            main = ctx.c_main_grad() if dc1 is not None and ctx.c_main_grad is not None else None
+            f32 = dict(device=lse.device, dtype=torch.float32)
+            de = w = None
+            if g.numel() and g.stride(0) == 0:  # one number expanded (reduction mean or sum)
+                kind = "one"
+                g_k = g
                 # Nothing kept gives zeros, even where "mean" made the upstream gradient infinite.
                 ratio = torch.where(counts[0] > 0, g[0] / grad_scale, 0.0)
             else:
-                # Per token: dE is linear in each token's weight, so its rows scale exactly whatever
-                # the weights are. Ignored tokens' upstream gradients may be anything: they count as 0.
+                # Ignored tokens' upstream gradients may be anything: they count as 0.
                 g_k = torch.where(keep, g, 0.0)
                 w = g_k / grad_scale
-                de = None
+                kind, r = _weights_kind(w, keep)  # the one host sync
+                ratio = torch.full((), r, **f32) if r is not None else None
                 if de1 is not None and not rounded_de:
+                    # dE is linear in each token's weight: its fp32 rows scale exactly, whatever w is.
                     de = kernels.scaled_copy(de1, w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
                                              if sp else w, e_dtype)
-                if not per_token_weights_seen:
-                    # dC and dbias scale by the one weight of the kept tokens (1 for Megatron's
-                    # loss_mask / count with the mask folded: nothing moves); where the weights
-                    # differ, kernels.weighted_grads recomputes them instead. Both are queued and the
-                    # device decides (ignored tokens count as 0): no host sync.
-                    ratio, weighted = _weights_over_kept(w, keep)
-            report = None
-            if ratio is not None and (weighted is not None or low):
-                # A bf16 dC or dE, rounded in the forward, is exactly scaled only by a power of two;
-                # for anything else the flag makes kernels.weighted_grads recompute it (on the device).
-                ratio, weighted, report = kernels.snap_ratio(ratio, weighted, snap=low)
-            if scalar or (rounded_de and ratio is not None):
-                de = _scaled(de1, ratio, e_dtype)
-            main = ctx.c_main_grad() if dc1 is not None and ctx.c_main_grad is not None else None
-            if ratio is not None:
+            if kind == "one":
+                report = None
+                if low:
+                    # A bf16 dC or dE, rounded in the forward, is exactly scaled only by a power of two;
+                    # for anything else the flag makes kernels.weighted_grads recompute it (on the device).
+                    ratio, flag, report = kernels.snap_ratio(ratio)
+                if de is None:
+                    de = _scaled(de1, ratio, e_dtype)
                 db = _scaled(db1, ratio, bias.dtype) if db1 is not None else None
                 if main is not None:
                     main.addcmul_(dc1, ratio)
                 dc = _scaled(dc1, ratio, c.dtype) if main is None else None
-            if weighted is not None or ratio is None:  # dC and dbias may need recomputing
-                if g_k is None:
-                    g_k = torch.where(keep, g, 0.0)
+                if report is not None:
+                    a, b, u = coefficients(torch.where(keep, g, 0.0), None, lse, cfg)
+                    scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
+                    kernels.weighted_grads(flag, e_all, c, bias, targets, lse, a, b, u, scale,
+                                           main if main is not None else dc, db, de if rounded_de else None,
+                                           softcap=cfg.softcap, add_dc=main is not None)
+                    _report(report, cfg.loss_scale)
+            elif kind == "mask" and not low:
+                # Weights r on most kept tokens, 0 on the m masked ones: dC = r (dC1 - the masked rows'
+                # part), the correction recomputed by the lean backward on those m rows alone and added
+                # to the fp32 dC1 (dbias likewise), then rounded once. Each rank corrects its own shard
+                # (lse is global, targets outside it are -1): no collective.
+                dc = db = None
+                for t in (dc1, db1):
+                    if t is not None:
+                        kernels.scale_(t, ratio)
+                if dc1 is not None or db1 is not None:
+                    rows = torch.nonzero(keep & (w == 0)).squeeze(1)
+                    g_m = (ratio * grad_scale).neg().expand(rows.numel()).contiguous()
+                    a, b, u = coefficients(g_m, None, lse[rows], cfg)
+                    _, _, db2 = lean_backward(e_all[rows], c, bias, targets[rows], lse[rows], a, b, u, cfg,
+                                              need_de=False, dc_out=dc1)
+                    db = db1.add_(db2).to(bias.dtype) if db1 is not None else None
+                    dc = _fp32_dc(dc1, main, c.dtype) if dc1 is not None else None
+            else:
+                # Any other weights (or masked ones where the forward rounded dC or dE to bf16: scaling
+                # those would round them twice): the lean backward recomputes dC, dbias and a rounded
+                # dE, exact for any weights, and later calls avoid this (see the process-wide state).
+                if kind == "many":
+                    _warn_many()
+                else:
+                    _saw_masked()
                 a, b, u = coefficients(g_k, None, lse, cfg)
-            if weighted is not None:
-                scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
-                kernels.weighted_grads(weighted, e_all, c, bias, targets, lse, a, b, u, scale,
-                                       main if main is not None else dc, db, de if rounded_de else None,
-                                       softcap=cfg.softcap, add_dc=main is not None)
-                _report(report, cfg.loss_scale)
-            elif ratio is None:
-                # An earlier call's weights were per token (read_backward_reports): so are these,
-                # most likely. dC and dbias (and a rounded dE) recompute with library GEMMs, exact
-                # for any weights.
                 dc = db = None
                 if dc1 is not None or db1 is not None or rounded_de:
-                    de2, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=rounded_de)
+                    fp32_dc = dc1 is not None and dc1.dtype == torch.float32
+                    de2, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=rounded_de,
+                                                dc_out=dc1.zero_() if fp32_dc else None)
                     db = db.to(bias.dtype) if db1 is not None else None
-                    dc = dc if dc1 is not None else None
+                    dc = _fp32_dc(dc, main, c.dtype) if fp32_dc else dc if dc1 is not None else None
                     if rounded_de:
                         de = _finish_de(de2, comm, sp).to(e_dtype)
-                    if main is not None:
-                        main.add_(dc)
         else:
             # Ignored tokens' upstream gradients may be anything: they count as 0.
             g_k = torch.where(keep, g, 0.0)
@@ -1041,3 +1073,16 @@ def _finish_de(de, comm, sequence_parallel):
     """fp32 partial dE over this rank's vocabulary -> the full sum over ranks, or under sequence
     parallelism this rank's rows of it."""
     return comm.sum_scatter_rows(de) if sequence_parallel else comm.all_sum_(de)
+
+
+def _fp32_dc(dc, main, dtype):
+    """An fp32 dC -> added to main (then None), or rounded once to dtype."""
+    if main is not None:
+        main.add_(dc)
+        return None
+    return dc.to(dtype)
+
+
+def _saw_masked():
+    global masked_weights_seen
+    masked_weights_seen = True

@@ -291,8 +291,12 @@ def sharded_linear_cross_entropy(
     )
     shard = c.shape[0]
     fused = autograd.fused_one_pass(e.dtype, softcap, label_smoothing)
-    # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/autograd.py.
-    bf16_dc = fused and not label_smoothing and c_main_grad is None and e.dtype != torch.float32
+    # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/autograd.py. Once a
+    # backward has seen masked per-token weights, per-token calls make dC and dE in fp32 instead, so
+    # that their backwards can subtract the masked rows' part (autograd.masked_weights_seen).
+    fp32_grads = reduction == "none" and autograd.masked_weights_seen
+    bf16_dc = (fused and not label_smoothing and c_main_grad is None and e.dtype != torch.float32
+               and not fp32_grads)
     budget = resolve_logits_budget(
         logits_budget, targets.numel() * max(shard, largest_shard or 0) * (e.element_size() if fused else 4),
         bf16_dc=bf16_dc,
@@ -340,6 +344,7 @@ def sharded_linear_cross_entropy(
         need_dc=need[1],
         need_db=need[2],
         loss_scale=loss_scale,
+        fp32_grads=fp32_grads,
     )
     # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
@@ -349,7 +354,7 @@ def sharded_linear_cross_entropy(
         c_main_grad,
     )
     check.raise_if_bad(targets, vocab, ignore_index)
-    # Earlier backwards' reports (per-token weights, the loss scale), for the calls after this one:
+    # Earlier backwards' reports (the loss scale), for the calls after this one:
     # queued before this call's targets, they have arrived by now. Waiting for them before the
     # forward instead would let the GPU drain between back-to-back calls (Phi 3.5 mini: +6 %).
     autograd.read_backward_reports()

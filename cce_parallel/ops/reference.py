@@ -55,10 +55,11 @@ def forward_stats(e, c, bias, targets, softcap, *, need_zsum: bool):
     return mx, se, zt, zsum
 
 
-def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap):
+def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap, dc_out=None):
     """(dE in fp32, dC and dbias in the input dtype); dz = A p - B onehot - U, through the softcap.
 
-    dE stays fp32 so that tensor-parallel ranks can sum their partial dE before rounding.
+    dE stays fp32 so that tensor-parallel ranks can sum their partial dE before rounding. dc_out:
+    an fp32 [V, D] tensor that dC is added to (unrounded) and returned as dC, or None.
     """
     n, v = e.shape[0], c.shape[0]
     de = torch.empty(e.shape, device=e.device, dtype=torch.float32)
@@ -77,4 +78,5 @@ def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap):
         dz_lp = dz.to(e.dtype)
         de[lo:hi] = (dz_lp @ c).float()
         dc += (dz_lp.t() @ e[lo:hi]).float()
-    return de, dc.to(c.dtype), db.to(bias.dtype) if db is not None else None
+    dc = dc_out.add_(dc) if dc_out is not None else dc.to(c.dtype)
+    return de, dc, db.to(bias.dtype) if db is not None else None

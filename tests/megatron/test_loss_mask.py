@@ -5,9 +5,9 @@ Megatron-LM's pretrain_gpt passes the batch's loss_mask to the model and its los
 labels (``mask_labels``): masked tokens' losses are exactly 0 and the kept ones are the unmasked
 call's, the gradients are those of Megatron's own path (and bit for bit those of labels folded by
 hand), and the upstream gradient is one number over the kept tokens, so the one-pass loss only
-scales the gradients it computed in the forward (no per-token recompute is reported). Without
-the fold the masked tokens keep their losses, and the per-token upstream gradient makes the
-backward recompute (``autograd.per_token_weights_seen``).
+scales the gradients it computed in the forward (the lean backward does not run). Without the fold
+the masked tokens keep their losses, and the upstream gradient, one number and 0 on the masked
+tokens, makes the backward subtract the masked rows' part (the lean backward on those rows alone).
 
 One gloo group of 2 processes, TP=2 (the vocabulary split), a 2-layer GPT of hidden 32 and a
 128-token vocabulary, impl cce_kahan_full_c (the one-pass Triton path, under the interpreter).
@@ -57,11 +57,13 @@ def _check(device, report):
     ref = build(s, device)
     _, ref_grads = _step(ref, batch, batch["labels"])
     cce = build(s, device, cce={"impl": "cce_kahan_full_c"})
+    lean_rows = []  # the tokens of each lean backward (a recompute or the masked rows' correction)
+    lean_backward = autograd.lean_backward
+    autograd.lean_backward = lambda e, *a, **k: lean_rows.append(e.shape[0]) or lean_backward(e, *a, **k)
 
     # The model gets the mask: masked tokens' losses are 0, the upstream gradient one number.
     loss, grads = _step(cce, batch, batch["labels"], loss_mask=mask)
-    autograd.read_backward_reports()
-    out["fast_path"] = not autograd.per_token_weights_seen
+    out["fast_path"] = not lean_rows
     out["masked_loss_max"] = loss[masked].abs().max().item()
     out["grad_vs_megatron"] = max(rel_err(grads[n], g) for n, g in ref_grads.items())
     out["same_params"] = sorted(grads) == sorted(ref_grads)
@@ -86,11 +88,16 @@ def _check(device, report):
     out["unmasked_has_loss_at_masked"] = bool((plain[masked] > 0).all())
     out["processor_equal"] = torch.equal(processed, masked_again)
 
-    # The control: Megatron's masked mean without the fold has per-token upstream gradients, which
-    # the backward reports (so the fast_path check above can fail).
-    _step(cce, batch, batch["labels"])
-    autograd.read_backward_reports()
-    out["control_reports_per_token"] = autograd.per_token_weights_seen
+    # The control: Megatron's masked mean without the fold has one upstream number and 0 on the
+    # masked tokens, so the backward corrects dC on the masked kept rows (and the fast_path check
+    # above can fail); every kept token is masked or not, none is weighted otherwise.
+    del lean_rows[:]
+    _, control_grads = _step(cce, batch, batch["labels"])
+    out["control_lean_rows"] = lean_rows[:]
+    out["masked_kept"] = int((masked & (batch["labels"] >= 0)).sum())
+    out["control_vs_megatron"] = max(rel_err(control_grads[n], g) for n, g in ref_grads.items())
+    out["control_no_switch"] = not autograd.per_token_weights_seen and not autograd.masked_weights_seen
+    autograd.lean_backward = lean_backward
     report.result("loss_mask", out)
 
 
@@ -128,4 +135,5 @@ def test_model_folds_the_loss_mask(outcome):
         assert r["same_params"] and r["grad_vs_megatron"] <= TOL, r
         assert r["equals_hand_folded"], r
         assert r["fast_path"], f"rank {rank}: the backward recomputed per token (the mask was not folded): {r}"
-        assert r["control_reports_per_token"], r
+        assert r["control_lean_rows"] == [r["masked_kept"]] and r["control_no_switch"], r
+        assert r["control_vs_megatron"] <= TOL, r

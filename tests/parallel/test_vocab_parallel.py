@@ -95,6 +95,7 @@ class Case:
     targets_on_rank0: bool = False  # every target in rank 0's shard: other shards hold none
     peaked: bool = False  # trained-model-like logits (helpers.peaked_inputs)
     uniform: bool = False  # reduction "none": one upstream number over the kept tokens (mask / count)
+    masked: float = 0.0  # with uniform, this fraction of the tokens gets 0 too (the mask not folded)
     # A bias of 45 on the vocabulary's first half and 42 on the rest: each row's logits lie on both
     # sides of the fused GEMM's reference boundary at 44.4 nats, between tiles and between ranks.
     straddle: bool = False
@@ -184,6 +185,16 @@ CASES = {
             uniform=True,
             options=(("reduction", "none"), ("logits_budget", 3 * 4 * V_ODD)),
         ),
+        # Megatron's loss_mask / count with the mask not folded into ignore_index: one number on
+        # most kept tokens, 0 on about a quarter; each rank subtracts its shard's masked rows.
+        Case(
+            "masked-unfolded",
+            bias=True,
+            ignore_frac=0.1,
+            uniform=True,
+            masked=0.25,
+            options=(("z_loss", 1e-3), ("reduction", "none")),
+        ),
         Case(
             "peaked-lean",
             lead=(64,),
@@ -207,7 +218,7 @@ CASES = {
         ),
     ]
 }
-CORE = tuple(name for name in CASES if name not in ("sp-2d-e", "straddle"))
+CORE = tuple(name for name in CASES if name not in ("sp-2d-e", "straddle", "masked-unfolded"))
 
 # impl "torch" (cheap) over the full option grid, as in test_numerics_cpu.test_torch_impl_full_grid.
 GRID = {}
@@ -253,12 +264,12 @@ LAYOUTS = {
         ),
     ),
     2: (
-        Layout("w2-default", V_EVEN, None, False, CORE + ("straddle",)),
+        Layout("w2-default", V_EVEN, None, False, CORE + ("straddle", "masked-unfolded")),
         Layout("w2-tiny-first-shard", V_ODD, TINY2, False, ("everything", "targets-on-rank0")),
         Layout(
             "w2-swapped-ranges", V_ODD, ((300, V_ODD), (0, 300)), False, ("everything", "targets-on-rank0")
         ),
-        Layout("w2-sp", V_EVEN, None, True, SP_CORE),
+        Layout("w2-sp", V_EVEN, None, True, SP_CORE + ("masked-unfolded",)),
         Layout("w2-sp-uneven", V_ODD, TINY2, True, ("everything",), tuple(GRID)),
     ),
     3: (
@@ -424,7 +435,7 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
             opts = case.opts
             grad_loss, grad_lse = upstream(
                 inputs["targets"], opts.get("reduction", "mean"), opts.get("return_lse"), uniform=case.uniform,
-                ignore_index=opts.get("ignore_index", -100),
+                ignore_index=opts.get("ignore_index", -100), masked=case.masked,
             )
             ref = oracle(**inputs, grad_loss=grad_loss, grad_lse=grad_lse, **opts)
             local, rows = local_view(inputs, layout, rank, world)
