@@ -89,6 +89,7 @@ def _make_compile():
 UPSTREAMS = {
     "masked": "x loss_mask / count, the mask folded into ignore_index (Megatron's way, 10 % masked)",
     "folded": "summed / count, the mask folded into ignore_index (the train job's way, 10 % masked)",
+    "unfolded": "x loss_mask / count, the mask not folded into ignore_index (10 % masked)",
     "weighted": "x random per-token weights / N",
 }
 
@@ -103,6 +104,9 @@ def _per_token(per_token_fn, upstream: str):
             g = torch.Generator(t.device).manual_seed(1)
             cache[t] = torch.rand(t.shape, device=t.device, generator=g)
         r = cache[t]
+        if upstream == "unfolded":
+            mask = (r >= 0.1).float()
+            return (per_token_fn(e, c, t) * mask).sum() / mask.sum()
         if upstream in ("masked", "folded"):
             mask = (r >= 0.1).float()
             # cce_parallel.megatron.mask_labels (inlined: megatron-core need not be installed here)
@@ -218,7 +222,8 @@ def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> l
                     # backward makes later reduction="none" calls take the lean path (ops/autograd.py),
                     # a process-wide switch that must not carry over into /masked (the methods take
                     # turns in the timing rounds). So each call sets it as this method alone would
-                    # have: on for /weighted after its first call, off otherwise.
+                    # have: on for /weighted after its first call, off otherwise; likewise the switch
+                    # to fp32 gradients that /unfolded's first bf16 backward sets (masked_weights_seen).
                     autograd = importlib.import_module(f"{package}.ops.autograd")
                     if upstream is None:
                         base = lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)  # noqa: E731
@@ -230,6 +235,8 @@ def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> l
 
                     def loss(e, c, t):
                         autograd.per_token_weights_seen = upstream == "weighted" and calls[0] > 0
+                        if hasattr(autograd, "masked_weights_seen"):  # a baseline package may predate it
+                            autograd.masked_weights_seen = upstream == "unfolded" and calls[0] > 0
                         calls[0] += 1
                         return base(e, c, t)
 
