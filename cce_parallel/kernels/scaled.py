@@ -82,7 +82,8 @@ SNAP_ULPS = 8
 
 
 @triton.jit
-def _snap_kernel(R_ptr, Out_ptr, Flag_ptr, Report_ptr, ULPS: tl.constexpr):
+def _snap_kernel(R_ptr, Weighted_ptr, Out_ptr, Flag_ptr, Report_ptr, HAS_WEIGHTED: tl.constexpr,
+                 SNAP: tl.constexpr, ULPS: tl.constexpr):
     r = tl.load(R_ptr)
     bits = r.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
@@ -91,24 +92,28 @@ def _snap_kernel(R_ptr, Out_ptr, Flag_ptr, Report_ptr, ULPS: tl.constexpr):
     down = mantissa <= ULPS  # just above a power of two
     up = mantissa >= 0x800000 - ULPS  # just below the next one
     power = (bits & -8388608) + tl.where(up & ~down, 0x800000, 0)  # -8388608: sign and exponent bits
-    near = normal & (down | up)
-    off = (normal & ~near).to(tl.int32)
+    near = normal & (down | up) & SNAP
+    off = (normal & ~near & SNAP).to(tl.int32)
+    weighted = tl.load(Weighted_ptr) if HAS_WEIGHTED else 0
     out = tl.where(near, power.to(tl.float32, bitcast=True), r)
     tl.store(Out_ptr, out)
-    tl.store(Flag_ptr, off)
-    tl.store(Report_ptr, off.to(tl.float32))
+    tl.store(Flag_ptr, (weighted != 0).to(tl.int32) | off)
+    tl.store(Report_ptr, (weighted + 4 * off).to(tl.float32))
     tl.store(Report_ptr + 1, out)
 
 
-def snap_ratio(ratio: torch.Tensor):
-    """One launch, no host sync. ratio: a one-element fp32 tensor. Returns (snapped, flag, report):
-    snapped (shaped like ratio) the power of two within SNAP_ULPS of ratio if there is one, else
-    ratio; flag int32 [1], 1 where ratio is a normal number not near a power of two (0, subnormals,
-    inf and NaN are not); report fp32 [2] = (flag, snapped)."""
+def snap_ratio(ratio: torch.Tensor, weighted=None, *, snap: bool = True):
+    """One launch, no host sync. ratio: a one-element fp32 tensor; weighted: None or int32 [1],
+    0 or a code of the per-token weights (ops/autograd.py: 1 many, 2 mask). Returns (snapped, flag,
+    report): snapped (shaped like ratio) the power of two within SNAP_ULPS of ratio if there is
+    one, else ratio; flag int32 [1], 1 where weighted is not 0 or off is 1, off being 1 for a normal
+    ratio that is not near a power of two (0, subnormals, inf and NaN are not off); report fp32 [2]
+    = (weighted + 4 * off, snapped). snap=False: ratio as it is, off 0."""
     if ratio.numel() != 1 or ratio.dtype != torch.float32:
         raise ValueError("ratio must be a one-element fp32 tensor")
     out = torch.empty_like(ratio)
     flag = torch.empty(1, device=ratio.device, dtype=torch.int32)
     report = torch.empty(2, device=ratio.device, dtype=torch.float32)
-    _snap_kernel[(1,)](ratio, out, flag, report, ULPS=SNAP_ULPS, num_warps=1)
+    _snap_kernel[(1,)](ratio, weighted if weighted is not None else flag, out, flag, report,
+                       HAS_WEIGHTED=weighted is not None, SNAP=snap, ULPS=SNAP_ULPS, num_warps=1)
     return out, flag, report

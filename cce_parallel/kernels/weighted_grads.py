@@ -1,13 +1,14 @@
-"""dC, dbias and (where the forward rounded it to bf16) dE recomputed for an upstream number that
-is not a power of two away from the one they were made for; or nothing at all, as a flag on the
-device says.
+"""dC, dbias and (where the forward rounded it to bf16) dE recomputed for per-token weights, or
+for an upstream number that is not a power of two away from the one they were made for; or
+nothing at all, as a flag on the device says.
 
-The one-pass path computes the gradients in the forward for one weight per kept token, and a bf16
-dC or dE made there is scaled exactly only by a power of two. Whether the upstream number is one
-is known only on the device (kernels.snap_ratio). Asking the host would leave the GPU idle until
-it queues the next work (11 % of Phi 3.5 mini's loss + gradients on an H100). So this one launch
-always goes into the queue, and each of its programs reads the flag first: 0, and it returns (a
-few microseconds); otherwise it computes
+The one-pass path computes the gradients in the forward for one weight per kept token. When the
+backward gets a per-token upstream gradient, whether it is that one number (Megatron's loss_mask /
+count with the mask folded into ignore_index) or real per-token weights is known only on the
+device; so is whether a bf16 dC or dE, scaled exactly only by a power of two, needs recomputing.
+Asking the host would leave the GPU idle until it queues the next work (11 % of Phi 3.5 mini's
+loss + gradients on an H100). So this one launch always goes into the queue, and each of its
+programs reads the flag first: 0, and it returns (a few microseconds); otherwise it computes
 
     dC[v] = sum_t dz[t, v] E[t],  dbias[v] = sum_t dz[t, v],  dE[t] = sum_v dz[t, v] C[v],
     dz = A p - B [v == target] - U
@@ -19,8 +20,8 @@ program, which walks all tokens, recomputing their [BLOCK_N, BLOCK_V] logits ove
 (blocks of tokens whose A, B and U are all 0 are skipped); each [BLOCK_N, BLOCK_D] tile of dE
 likewise walks the whole vocabulary. That repeats the logits GEMM cdiv(D, BLOCK_D) times per
 gradient, but needs no workspace, no atomics (deterministic) and no second launch; it runs only
-for the first calls at a loss scale the host has not learned yet (ops/autograd.py). Offsets are
-int64.
+for a process's first per-token-weighted calls (the host then learns of them, ops/autograd.py) and
+the first calls at a loss scale the host has not learned yet. Offsets are int64.
 """
 
 import functools
@@ -167,13 +168,14 @@ def _weighted_grads_kernel(
                          mask=mask_n[:, None] & mask_d[None, :])
 
 
-# Tiles on a GPU (tuned nowhere: this kernel runs only for the first calls at a new loss scale); on
-# the interpreter, small ones that still leave partial blocks at every edge of the tests.
+# Tiles on a GPU (tuned nowhere: this kernel runs only for a process's first per-token-weighted
+# calls and the first calls at a new loss scale); on the interpreter, small ones that still leave
+# partial blocks at every edge of the tests.
 CUDA_BLOCKS = {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
 CPU_BLOCKS = {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 32, "BLOCK_K": 16, "num_warps": 1, "num_stages": 2}
 # (device, dtype) -> the tiles that fit, where CUDA_BLOCKS needed more shared memory than the GPU
-# has (fp32 inputs on GPUs with ~100 KB per SM). The launch is queued on every backward of a bf16
-# dC or dE, so it must compile everywhere.
+# has (fp32 inputs on GPUs with ~100 KB per SM). The launch is queued on every per-token backward
+# and every backward of a bf16 dC or dE, so it must compile everywhere.
 _FITTING: dict = {}
 
 

@@ -24,13 +24,16 @@ softmax in its epilogue, kernels/probs_gemm.py) and Triton passes over fp32 logi
   for a bf16 dC or dE, rounded once already: a ratio that is not a power of two has them
   recomputed (kernels.snap_ratio decides on the device, kernels.weighted_grads recomputes), and
   the forwards after make them for that number (loss_scale below). An fp32 dE, linear in g per
-  token, scales per row whatever g is. A per-token g costs one host sync in the backward, which
-  sorts its weights over the kept tokens (_weights_kind): one number, as above; one number r and
-  0 on m tokens (Megatron's loss_mask / count with the mask not folded), where an fp32 dC and
-  dbias become r (dC - the m rows' part), that part recomputed by the lean backward on those rows
-  alone (where dC or dE was bf16, that call recomputes all and later per-token calls make them in
-  fp32: masked_weights_seen); anything else recomputes dC, dbias and a bf16 dE with the lean
-  backward (exact), and later per-token calls take the lean path. A gradient through the
+  token, scales per row whatever g is. What a per-token g is over the kept tokens is decided on
+  the device, without a host sync (_weights_over_kept): one number, as above; otherwise
+  kernels.weighted_grads recomputes dC, dbias and a bf16 dE (exact), and the host learns the kind
+  (a call later, on a GPU). Any weights but a mask: later per-token calls take the lean path. One
+  number r and 0 on m tokens (Megatron's loss_mask / count with the mask not folded): later
+  per-token calls make dC and dE in fp32 (masked_weights_seen). Once the host knows of either,
+  per-token backwards sort their weights in one host sync (_weights_kind); for a mask dC and dbias
+  become r (dC - the m rows' part), that part recomputed by the lean backward on those m rows
+  alone, so that the cost follows m. A gradient
+  through the
   returned lse recomputes all.
 - Lean (logits_budget=0, nothing needing a gradient, and the fallbacks above): the forward folds
   fp32 logit chunks into the statistics; the backward recomputes them and adds dE and dC chunk by
@@ -767,13 +770,14 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
 # What the host has learned of earlier backwards' upstream gradients:
 #
 # per_token_weights_seen: a per-token loss's backward got weights that were neither one number nor
-# one number and 0 over the kept tokens ("many", _weights_kind). From then on, reduction "none"
-# takes the lean path (ops/functional.py), which computes them with no wasted work.
-# masked_weights_seen: a per-token loss's backward got one number and 0 over the kept tokens
-# (Megatron's (loss * loss_mask).sum() / count with the mask not folded into ignore_index) where the
-# forward had rounded dC or dE to bf16. From then on, reduction "none" makes dC and dE in fp32 in
-# the forward (LossConfig.fp32_grads), so that later such backwards subtract the masked rows' part.
-# Training loops call the loss the same way every step, so only the first call recomputes.
+# one number and 0 over the kept tokens (_MANY). From then on, reduction "none" takes the lean path
+# (ops/functional.py), which computes them with no wasted work.
+# masked_weights_seen: a per-token loss's backward got one number and 0 over the kept tokens (_MASK:
+# Megatron's (loss * loss_mask).sum() / count with the mask not folded into ignore_index). From then
+# on, reduction "none" makes dC and dE in fp32 in the forward (LossConfig.fp32_grads) and sorts the
+# weights in the backward on the host, so that a mask's backward subtracts the masked rows' part.
+# Both are learned from the device's report (read_backward_reports): training loops call the loss
+# the same way every step, so only the first call (on a GPU the first two) recomputes all.
 #
 # loss_scale: the number the one-pass forward makes a bf16 dC and dE for (no fp32 main_grad), times
 # the reduction's own weights: what the caller multiplies the reduced loss by before the backward
@@ -790,9 +794,9 @@ loss_scale = 1.0
 loss_scale_unsteady = False
 _last_missed = False  # the last report was a miss (loss_scale is the number it brought)
 
-# Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (missed, ratio), event,
-# the loss_scale its forward used). missed: 1 where the number's ratio to loss_scale is not a power
-# of two (a bf16 dC / dE recomputed), else 0.
+# Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (code, ratio), event,
+# the loss_scale its forward used). code: the per-token weights' kind (_ONE, _MANY, _MASK), plus
+# _MISSED where the number's ratio to loss_scale is not a power of two (a bf16 dC / dE recomputed).
 _reports: list = []
 
 
@@ -841,6 +845,30 @@ def _learn_scale(value: float):
     loss_scale, _last_missed = value, True
 
 
+_ONE, _MANY, _MASK = 0, 1, 2  # the per-token weights' kinds, as the device reports them
+_MISSED = 4  # added to the report's code: a loss scale whose ratio is not a power of two
+
+
+def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
+    """(ratio, kind) of the per-token weights w over the kept tokens, on the device: kind int32 [1]
+    _ONE where they are one number (ratio, 0-dim fp32, that number; 0 where all are 0 or nothing is
+    kept), _MASK where they are 0 on some and one number on the others, _MANY otherwise (NaN
+    included); ratio 0 unless _ONE. No host sync: Megatron's (loss * mask).sum() / count with the
+    mask folded into ignore_index takes this path on every call, and a sync there leaves the GPU
+    idle until the host queues its next work."""
+    if not w.numel():  # no tokens: zero gradients
+        return w.new_zeros(()), torch.zeros(1, device=w.device, dtype=torch.int32)
+    inf = float("inf")
+    nonzero = keep & (w != 0)  # NaN counts as nonzero: amin / amax propagate it
+    lo, hi = torch.where(nonzero, w, inf).amin(), torch.where(nonzero, w, -inf).amax()
+    zeros = (keep & (w == 0)).any()
+    none = lo == inf
+    same = lo >= hi  # False where NaN
+    kind = torch.where(none | (same & ~zeros), _ONE, torch.where(same, _MASK, _MANY))
+    ratio = torch.where(none | (kind != _ONE), 0.0, lo)
+    return ratio, kind.to(torch.int32).reshape(1)
+
+
 def _weights_kind(w: torch.Tensor, keep: torch.Tensor):
     """(kind, r) of the per-token weights w over the kept tokens, in one host sync: ("one", r) where
     they all equal r (0 where all are 0 or nothing is kept); ("mask", r) where they are 0 on some
@@ -859,8 +887,13 @@ def _weights_kind(w: torch.Tensor, keep: torch.Tensor):
     return ("mask" if zeros else "one"), lo
 
 
+def _saw_masked():
+    global masked_weights_seen
+    masked_weights_seen = True
+
+
 def _report(packed: torch.Tensor, used: float):
-    """Send a backward's report (fp32 [2] = missed, ratio; kernels.snap_ratio) to the host: at once on
+    """Send a backward's report (fp32 [2] = code, ratio; kernels.snap_ratio) to the host: at once on
     a CPU; on a GPU through a pinned copy that the next call of the loss reads after its forward
     (read_backward_reports). Every tensor-parallel rank gets the same upstream gradient, so they
     all learn the same at the same call."""
@@ -884,7 +917,12 @@ def read_backward_reports():
         host, event, used = _reports.pop(0)
         if event is not None:
             event.synchronize()
-        missed, ratio = host.tolist()
+        code, ratio = host.tolist()
+        kind, missed = int(code) % _MISSED, code >= _MISSED
+        if kind == _MANY:
+            _warn_many()
+        elif kind == _MASK:
+            _saw_masked()
         if missed:
             _learn_scale(ratio * used)
         else:
@@ -992,18 +1030,24 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 # Ignored tokens' upstream gradients may be anything: they count as 0.
                 g_k = torch.where(keep, g, 0.0)
                 w = g_k / grad_scale
-                kind, r = _weights_kind(w, keep)  # the one host sync
-                ratio = torch.full((), r, **f32) if r is not None else None
+                if cfg.fp32_grads or per_token_weights_seen:  # learned from earlier calls: sort on the host
+                    kind, r = _weights_kind(w, keep)  # the one host sync
+                    ratio = torch.full((), r, **f32) if r is not None else None
+                else:  # the device decides, no host sync (see _weights_over_kept)
+                    kind = "device"
+                    ratio, weighted = _weights_over_kept(w, keep)
                 if de1 is not None and not rounded_de:
                     # dE is linear in each token's weight: its fp32 rows scale exactly, whatever w is.
                     de = kernels.scaled_copy(de1, w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
                                              if sp else w, e_dtype)
-            if kind == "one":
+            if kind in ("one", "device"):
                 report = None
-                if low:
+                if low or kind == "device":
                     # A bf16 dC or dE, rounded in the forward, is exactly scaled only by a power of two;
-                    # for anything else the flag makes kernels.weighted_grads recompute it (on the device).
-                    ratio, flag, report = kernels.snap_ratio(ratio)
+                    # for anything else, and for per-token weights that are not one number, the flag
+                    # makes kernels.weighted_grads recompute them (on the device), and the report tells
+                    # the host (read_backward_reports).
+                    ratio, flag, report = kernels.snap_ratio(ratio, weighted if kind == "device" else None, snap=low)
                 if de is None:
                     de = _scaled(de1, ratio, e_dtype)
                 db = _scaled(db1, ratio, bias.dtype) if db1 is not None else None
@@ -1011,7 +1055,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     main.addcmul_(dc1, ratio)
                 dc = _scaled(dc1, ratio, c.dtype) if main is None else None
                 if report is not None:
-                    a, b, u = coefficients(torch.where(keep, g, 0.0), None, lse, cfg)
+                    a, b, u = coefficients(g_k if kind == "device" else torch.where(keep, g, 0.0), None, lse, cfg)
                     scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
                     kernels.weighted_grads(flag, e_all, c, bias, targets, lse, a, b, u, scale,
                                            main if main is not None else dc, db, de if rounded_de else None,
@@ -1035,9 +1079,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     db = db1.add_(db2).to(bias.dtype) if db1 is not None else None
                     dc = _fp32_dc(dc1, main, c.dtype) if dc1 is not None else None
             else:
-                # Any other weights (or masked ones where the forward rounded dC or dE to bf16: scaling
-                # those would round them twice): the lean backward recomputes dC, dbias and a rounded
-                # dE, exact for any weights, and later calls avoid this (see the process-wide state).
+                # Any other weights (or a mask where the forward, made before the host learned of
+                # masks, rounded dC or dE to bf16: scaling those would round them twice): the lean
+                # backward recomputes dC, dbias and a rounded dE, exact for any weights, and later
+                # calls avoid this (see the process-wide state).
                 if kind == "many":
                     _warn_many()
                 else:
@@ -1081,8 +1126,3 @@ def _fp32_dc(dc, main, dtype):
         main.add_(dc)
         return None
     return dc.to(dtype)
-
-
-def _saw_masked():
-    global masked_weights_seen
-    masked_weights_seen = True

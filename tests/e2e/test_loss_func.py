@@ -15,7 +15,7 @@ from cce_parallel.train.trainer import loss_func  # noqa: E402
 @pytest.mark.parametrize("budget", ["auto", "lean"])
 def test_folded_mask_sums_the_same_and_needs_no_per_token_check(budget, monkeypatch):
     """With the mask folded into the labels, loss_func's plain sum equals the masked sum bit for bit,
-    and the backward gets one number for every token: the per-token check (a host sync in the backward)
+    and the backward gets one number for every token: the per-token check (on the device)
     never runs. The gradients equal those of Megatron's masked sum (which does run it)."""
     g = torch.Generator().manual_seed(0)
     b, s, d, v = 3, 7, 16, 45
@@ -25,10 +25,10 @@ def test_folded_mask_sums_the_same_and_needs_no_per_token_check(budget, monkeypa
     mask = (torch.rand(b, s, generator=g) > 0.3).float()
     folded = mask_labels(labels, mask)
     grads, totals = [], []
-    real = autograd._weights_kind
+    real = autograd._weights_over_kept
     for is_folded in (False, True):
         calls = []
-        monkeypatch.setattr(autograd, "_weights_kind", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(autograd, "_weights_over_kept", lambda *a: calls.append(1) or real(*a))
         e, c = e0.clone().requires_grad_(), c0.clone().requires_grad_()
         per_token = cce_parallel.linear_cross_entropy(e, c, folded.reshape(-1), reduction="none",
                                                       logits_budget=budget).view(b, s)

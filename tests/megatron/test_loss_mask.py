@@ -7,7 +7,8 @@ call's, the gradients are those of Megatron's own path (and bit for bit those of
 hand), and the upstream gradient is one number over the kept tokens, so the one-pass loss only
 scales the gradients it computed in the forward (the lean backward does not run). Without the fold
 the masked tokens keep their losses, and the upstream gradient, one number and 0 on the masked
-tokens, makes the backward subtract the masked rows' part (the lean backward on those rows alone).
+tokens, makes the first backward recompute (on the device) and later ones subtract the masked
+rows' part (the lean backward on those rows alone).
 
 One gloo group of 2 processes, TP=2 (the vocabulary split), a 2-layer GPT of hidden 32 and a
 128-token vocabulary, impl cce_kahan_full_c (the one-pass Triton path, under the interpreter).
@@ -89,14 +90,18 @@ def _check(device, report):
     out["processor_equal"] = torch.equal(processed, masked_again)
 
     # The control: Megatron's masked mean without the fold has one upstream number and 0 on the
-    # masked tokens, so the backward corrects dC on the masked kept rows (and the fast_path check
-    # above can fail); every kept token is masked or not, none is weighted otherwise.
+    # masked tokens (and the fast_path check above can fail): the first backward recomputes on the
+    # device and reports the mask, the second corrects dC on the masked kept rows alone; every kept
+    # token is masked or not, none is weighted otherwise.
+    _step(cce, batch, batch["labels"])
+    autograd.read_backward_reports()
+    out["control_masked_seen"] = autograd.masked_weights_seen
     del lean_rows[:]
     _, control_grads = _step(cce, batch, batch["labels"])
     out["control_lean_rows"] = lean_rows[:]
     out["masked_kept"] = int((masked & (batch["labels"] >= 0)).sum())
     out["control_vs_megatron"] = max(rel_err(control_grads[n], g) for n, g in ref_grads.items())
-    out["control_no_switch"] = not autograd.per_token_weights_seen and not autograd.masked_weights_seen
+    out["control_no_switch"] = not autograd.per_token_weights_seen
     autograd.lean_backward = lean_backward
     report.result("loss_mask", out)
 
@@ -135,5 +140,6 @@ def test_model_folds_the_loss_mask(outcome):
         assert r["same_params"] and r["grad_vs_megatron"] <= TOL, r
         assert r["equals_hand_folded"], r
         assert r["fast_path"], f"rank {rank}: the backward recomputed per token (the mask was not folded): {r}"
-        assert r["control_lean_rows"] == [r["masked_kept"]] and r["control_no_switch"], r
+        assert r["control_masked_seen"] and r["control_lean_rows"] == [r["masked_kept"]], r
+        assert r["control_no_switch"], r
         assert r["control_vs_megatron"] <= TOL, r

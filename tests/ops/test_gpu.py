@@ -384,10 +384,10 @@ def test_one_pass_tiny_shapes(n, v, d):
 
 def test_bf16_masked_upstream_not_folded():
     """Megatron's (loss * loss_mask).sum() / count times 3, the mask not folded into ignore_index
-    (10 % masked), bf16: the first backward recomputes dC and dE with the lean backward (the forward
-    rounded them to bf16), after which per-token calls make them in fp32 and their backward
-    subtracts the masked rows' part (the lean backward on those rows alone). Every call's errors
-    are within plain bf16 PyTorch's."""
+    (10 % masked), bf16: the first backwards recompute dC and dE on the device (the forward rounded
+    them to bf16; the host learns of the mask one call late), after which per-token calls make them
+    in fp32 and their backward subtracts the masked rows' part (the lean backward on those rows
+    alone). Every call's errors are within plain bf16 PyTorch's."""
     from cce_parallel.ops import autograd
 
     n, v, d = 4096, 32064, 3072
@@ -397,26 +397,32 @@ def test_bf16_masked_upstream_not_folded():
     grad_loss = mask * (3.0 / mask.sum())
     ref = oracle(**inputs, grad_loss=grad_loss, chunk_size=ORACLE_ELEMENTS // v, reduction="none")
     plain_errs = errors(plain_torch(**inputs, grad_loss=grad_loss, reduction="none"), ref)
-    for call in ("first", "second"):
-        out = run(linear_cross_entropy, inputs, {"impl": "cce_kahan_full_c", "reduction": "none"}, grad_loss)
-        errs = errors(out, ref)
-        show(f"masked upstream, not folded, {call} call", errs, plain_errs)
-        bad = worse_than_plain(errs, plain_errs)
-        assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
-        assert autograd.masked_weights_seen and not autograd.per_token_weights_seen
+    lean_rows = []
+    lean_backward = autograd.lean_backward
+    autograd.lean_backward = lambda e, *a, **k: lean_rows.append(e.shape[0]) or lean_backward(e, *a, **k)
+    try:
+        for call in range(3):
+            out = run(linear_cross_entropy, inputs, {"impl": "cce_kahan_full_c", "reduction": "none"}, grad_loss)
+            errs = errors(out, ref)
+            show(f"masked upstream, not folded, call {call}", errs, plain_errs)
+            bad = worse_than_plain(errs, plain_errs)
+            assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
+    finally:
+        autograd.lean_backward = lean_backward
+    assert autograd.masked_weights_seen and not autograd.per_token_weights_seen
+    masked_kept = int(((mask == 0) & (inputs["targets"] != -100)).sum())
+    assert lean_rows == [masked_kept], lean_rows  # the third call's correction
 
 
 @pytest.mark.parametrize("budget, upstream_kind", [("auto", "mean"), ("lean", "mean"), ("auto", "masked"),
                                                    ("auto", "weighted")])
 def test_no_host_sync_in_a_training_step(budget, upstream_kind):
-    """The forward (some targets ignored) never makes the host wait
+    """Forward and backward (some targets ignored) never make the host wait
     (torch.cuda.set_sync_debug_mode("error") raises on a sync), so the host can queue the next
-    work while the GPU runs the loss; nor does the backward of a mean. The only wait is on an
-    event behind the targets' pass. A per-token upstream gradient (Megatron's
-    (loss * mask).sum() / mask.sum() with the mask folded, per-token weights) costs its backward
-    one host sync, which sorts the weights (ops/autograd.py): per-token weights are then
-    recomputed (checked against a lean run) and later calls take the lean path. A target out of
-    range still raises, naming it."""
+    work while the GPU runs the loss. The only wait is on an event behind the targets' pass.
+    That holds for a mean, for Megatron's (loss * mask).sum() / mask.sum() with the mask folded,
+    and for per-token weights (whose dC the device recomputes: checked against a lean run).
+    A target out of range still raises, naming it."""
     from cce_parallel.ops import autograd
 
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -439,13 +445,12 @@ def test_no_host_sync_in_a_training_step(budget, upstream_kind):
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss = loss_of(budget)
-        if upstream_kind != "mean":
-            torch.cuda.set_sync_debug_mode("default")
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss) and e.grad[::5].eq(0).all() and e.grad[1::5].ne(0).any()
     if upstream_kind == "weighted":
+        # The first call's report reached the host during the second's forward: later calls go lean.
         assert autograd.per_token_weights_seen
         de, dc = e.grad, c.grad
         e.grad = c.grad = None

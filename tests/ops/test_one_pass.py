@@ -39,6 +39,13 @@ def lean_calls(monkeypatch):
     return calls
 
 
+def _then_flags(call):
+    """call(), then read the backward's report as the next call would: on a GPU the host learns of
+    per-token weights after the next call's forward (autograd.read_backward_reports), on a CPU at once."""
+    call()
+    autograd.read_backward_reports()
+
+
 class _Calls(list):
     def __init__(self):
         super().__init__()
@@ -77,8 +84,8 @@ def test_ignore_index_may_be_a_token_of_the_vocabulary(budget, device):
 def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monkeypatch):
     """(loss * mask).sum() / mask.sum() with the mask folded into ignore_index: the upstream gradient
     is exactly the forward's 1 / kept, so the device finds ratio 1 (dC and dbias scale by it, which
-    moves nothing); an fp32 dC needs no recompute check (kernels.weighted_grads is not queued);
-    dE scales per row."""
+    moves nothing) and no per-token weights (the recompute's programs return at once), with no host
+    sync; dE scales per row."""
     from cce_parallel import kernels
 
     x = inputs(device)
@@ -95,40 +102,60 @@ def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monk
         loss.backward()
     ref = oracle(e.detach(), c.detach(), x["targets"], reduction="mean")
     assert rel_err(e.grad, ref.de) < 5e-5 and rel_err(c.grad, ref.dc) < 5e-5
-    assert ratios == [1.0] and flags == [] and lean_calls == []
+    assert ratios == [1.0] and flags == [0] and lean_calls == []
     assert not autograd.per_token_weights_seen and not autograd.masked_weights_seen
 
 
 @pytest.mark.parametrize("options", [{"z_loss": 1e-3}, {"label_smoothing": 0.1, "softcap": 3.0}])
 def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls):
-    """Per-token weights: dE scales per row, the lean backward recomputes dC and dbias (not dE),
-    and the next per-token call takes the lean path."""
+    """Per-token weights: dE scales per row, kernels.weighted_grads recomputes dC and dbias (the lean
+    backward does not run), and the next per-token call takes the lean path."""
     x = inputs(device)
     options = dict(options, impl=IMPL, reduction="none")
     grad_loss, _ = upstream(x["targets"], "none", False)
     with pytest.warns(UserWarning, match="neither one number"):
-        check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label="weights")
-    assert autograd.per_token_weights_seen and lean_calls == [False] and lean_calls.rows == [N]
+        _then_flags(lambda: check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss,
+                                                 label="weights"))
+    assert autograd.per_token_weights_seen and lean_calls == []
     # The next per-token call takes the lean path from the start (its backward computes dE too).
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label="weights, later")
-    assert lean_calls == [False, True]
+    assert lean_calls == [True]
     # reduction "mean" keeps the one-pass path.
     run(linear_cross_entropy, x, dict(options, reduction="mean"))
-    assert lean_calls == [False, True]
+    assert lean_calls == [True]
+
+
+def test_weights_known_before_the_backward_recompute_dc_with_the_lean_backward(device, lean_calls, monkeypatch):
+    """On a GPU the host learns of per-token weights after the next call's forward
+    (autograd.read_backward_reports): that call, whose forward ran on the one-pass path, sorts its
+    weights on the host and takes the lean backward for dC and dbias (library GEMMs, exact for any
+    weights) and scales dE."""
+    x = inputs(device)
+    grad_loss, _ = upstream(x["targets"], "none", False)
+    e, c, bias = (x[k].detach().requires_grad_() for k in ("e", "c", "bias"))
+    loss = linear_cross_entropy(e, c, x["targets"], bias=bias, impl=IMPL, reduction="none")
+    monkeypatch.setattr(autograd, "per_token_weights_seen", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss.backward(grad_loss)
+    ref = oracle(x["e"], x["c"], x["targets"], bias=x["bias"], reduction="none", grad_loss=grad_loss)
+    assert rel_err(e.grad, ref.de) < 5e-5 and rel_err(c.grad, ref.dc) < 5e-5 and rel_err(bias.grad, ref.dbias) < 5e-5
+    assert lean_calls == [False]
 
 
 def test_nan_weight_reaches_the_gradients(device, lean_calls):
     """A NaN upstream gradient on one kept token (the others one number and 0) is "many" weights:
-    recomputed, and the NaN reaches dC as it would in plain PyTorch."""
+    kernels.weighted_grads recomputes, and the NaN reaches dC as it would in plain PyTorch."""
     x = inputs(device)
     grad_loss, _ = upstream(x["targets"], "none", False, uniform=True, masked=0.2)
     kept = (x["targets"] != -100).nonzero().squeeze(1)
     grad_loss[kept[0]] = float("nan")
     with pytest.warns(UserWarning, match="neither one number"):
         out = run(linear_cross_entropy, x, {"impl": IMPL, "reduction": "none"}, grad_loss)
-    assert out.dc.isnan().any() and out.de[kept[0]].isnan().all() and lean_calls == [False]
+    assert out.dc.isnan().any() and out.de[kept[0]].isnan().all() and lean_calls == []
+    assert autograd.per_token_weights_seen
 
 
 def _masked_case(device, masked, scale=3.0, **kw):
@@ -149,34 +176,40 @@ def _masked_case(device, masked, scale=3.0, **kw):
                                      {"label_smoothing": 0.1, "softcap": 3.0, "logits_budget": 3 * 4 * V}])
 def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean_calls):
     """Megatron's loss_mask / count with the mask not folded (one number on the kept tokens, 0 on
-    the masked ones): dC and dbias are that number times (the forward's, minus the masked rows'
-    part), the part recomputed by the lean backward on the masked kept rows alone; dE scales per
-    row. No warning, no process-wide switch: later calls keep the one-pass path."""
+    the masked ones): the first call's weights are sorted on the device (kernels.weighted_grads
+    recomputes dC and dbias; the host learns of the mask: masked_weights_seen, no warning); later
+    calls sort them on the host, and dC and dbias are that number times (the forward's, minus the
+    masked rows' part), the part recomputed by the lean backward on the masked kept rows alone; dE
+    scales per row."""
     x, grad_loss, masked_kept = _masked_case(device, masked)
     options = dict(options, impl=IMPL, reduction="none")
-    for call in range(2):
+    for call in range(3):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label=f"masked {call}")
-        assert lean_calls == [False] * (call + 1) and lean_calls.rows == [masked_kept] * (call + 1)
-        assert not autograd.per_token_weights_seen and not autograd.masked_weights_seen
+            _then_flags(lambda: check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss,
+                                                     label=f"masked {call}"))
+        assert lean_calls == [False] * call and lean_calls.rows == [masked_kept] * call
+        assert autograd.masked_weights_seen and not autograd.per_token_weights_seen
 
 
 def test_masked_upstream_into_main_grad(device, lean_calls):
-    """With Megatron's main_grad (gradient-accumulation fusion) the corrected fp32 dC is added to it
-    unrounded; c gets no gradient."""
+    """With Megatron's main_grad (gradient-accumulation fusion) dC goes into it: recomputed by the
+    device at the first call, corrected on the masked rows (fp32, unrounded) at the second; c gets
+    no gradient."""
     from cce_parallel.ops import functional
 
     x, grad_loss, masked_kept = _masked_case(device, 0.2)
-    e, c, bias = (x[k].detach().requires_grad_() for k in ("e", "c", "bias"))
-    buffer = torch.full(c.shape, 0.5, device=device)
-    loss = functional.sharded_linear_cross_entropy(e, c, x["targets"], bias=bias, impl=IMPL, reduction="none",
-                                                   c_main_grad=lambda: buffer)
-    loss.backward(grad_loss)
     ref = oracle(x["e"], x["c"], x["targets"], bias=x["bias"], reduction="none", grad_loss=grad_loss)
-    assert c.grad is None and lean_calls.rows == [masked_kept]
-    assert rel_err(buffer - 0.5, ref.dc) < 5e-5 and rel_err(e.grad, ref.de) < 5e-5
-    assert rel_err(bias.grad, ref.dbias) < 5e-5
+    for call in range(2):
+        e, c, bias = (x[k].detach().requires_grad_() for k in ("e", "c", "bias"))
+        buffer = torch.full(c.shape, 0.5, device=device)
+        loss = functional.sharded_linear_cross_entropy(e, c, x["targets"], bias=bias, impl=IMPL, reduction="none",
+                                                       c_main_grad=lambda buffer=buffer: buffer)
+        loss.backward(grad_loss)
+        autograd.read_backward_reports()
+        assert c.grad is None and lean_calls.rows == [masked_kept] * call
+        assert rel_err(buffer - 0.5, ref.dc) < 5e-5 and rel_err(e.grad, ref.de) < 5e-5
+        assert rel_err(bias.grad, ref.dbias) < 5e-5
 
 
 def test_all_kept_masked_and_nothing_kept_give_zeros(device, lean_calls):
@@ -722,12 +755,15 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
         assert autograd.loss_scale == 3.0 and not autograd.loss_scale_unsteady
 
 
-def test_bf16_gradients_for_per_token_weights_are_recomputed(device, monkeypatch, lean_calls):
+@pytest.mark.parametrize("known", [False, True])
+def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monkeypatch, lean_calls):
     """Per-token weights on bf16 inputs: dC and dE were made in the forward in bf16 for one weight
-    per kept token, so scaling their rows would round them twice: the lean backward computes both,
-    its results handed out as they are (on CPU its PyTorch reference rounds the logits to bf16, less
-    accurate than the Triton lean path, which the GPU tests check). Stand-ins on CPU
-    (_bf16_stand_ins)."""
+    per kept token, so scaling their rows would round them twice. Flagged on the device,
+    kernels.weighted_grads recomputes both (known=False); where the host knew of per-token weights
+    before the backward (on a GPU, from the call before), the lean backward computes them. Either
+    way exact: the recompute within plain bf16 PyTorch's error, the lean backward's results handed
+    out as they are (on CPU its PyTorch reference rounds the logits to bf16, less accurate than the
+    Triton lean path, which the GPU tests check). Stand-ins on CPU (_bf16_stand_ins)."""
     from cce_parallel.ops import functional
 
     _bf16_stand_ins(device, monkeypatch)
@@ -739,20 +775,26 @@ def test_bf16_gradients_for_per_token_weights_are_recomputed(device, monkeypatch
     weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(9)).to(device) + 0.5
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
     per_token = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, reduction="none")
-    with pytest.warns(UserWarning, match="neither one number"):
+    if known:
+        monkeypatch.setattr(autograd, "per_token_weights_seen", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         (per_token * weights).sum().backward()
-    assert (flags, lean_calls) == ([], [True]) and autograd.per_token_weights_seen
-    de, dc, _ = lean_out[0]
-    assert torch.equal(e1.grad, de.to(e.dtype)) and torch.equal(c1.grad, dc)
+    assert (flags, lean_calls) == (([], [True]) if known else ([1], []))
+    if known:
+        de, dc, _ = lean_out[0]
+        assert torch.equal(e1.grad, de.to(e.dtype)) and torch.equal(c1.grad, dc)
+    else:
+        _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, weights)
 
 
 def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monkeypatch, lean_calls):
     """Megatron's loss_mask / count with the mask not folded, bf16: the first call's dC and dE were
     rounded to bf16 in the forward, and scaling them by a number that is not a power of two would
-    round them twice, so the lean backward recomputes both (no warning) and later per-token calls
-    make them in fp32 (masked_weights_seen). The second call's backward then subtracts the masked
-    rows' part from the fp32 dC (the lean backward on those rows alone) and rounds once: within plain
-    bf16 PyTorch's error. Stand-ins on CPU (_bf16_stand_ins)."""
+    round them twice, so kernels.weighted_grads recomputes both (flagged on the device, no warning)
+    and later per-token calls make them in fp32 (masked_weights_seen). The second call's backward
+    then subtracts the masked rows' part from the fp32 dC (the lean backward on those rows alone)
+    and rounds once. Both within plain bf16 PyTorch's error. Stand-ins on CPU (_bf16_stand_ins)."""
     from cce_parallel.ops import functional, reference
 
     _bf16_stand_ins(device, monkeypatch)
@@ -762,9 +804,7 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
     made = []
     real = autograd.one_pass
     monkeypatch.setattr(autograd, "one_pass", lambda *a, **k: _record(made, real(*a, **k)))
-    lean_out = []
-    spy = autograd.lean_backward
-    monkeypatch.setattr(autograd, "lean_backward", lambda *a, **k: lean_out.append(spy(*a, **k)) or lean_out[-1])
+    flags = _spy_weighted_grads(monkeypatch)
     e, c, t = _frequent_target_case(device)
     mask = (torch.rand(t.shape, generator=torch.Generator().manual_seed(4)) >= 0.2).float().to(device)
     masked_kept = int(((mask == 0) & (t != -100)).sum())
@@ -776,13 +816,11 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
             ((per_token * mask).sum() / mask.sum() * 3.0).backward()
         assert autograd.masked_weights_seen and not autograd.per_token_weights_seen
         if call == 0:
-            assert made[-1] == (torch.bfloat16, torch.bfloat16) and lean_calls == [True]
-            de, dc, _ = lean_out[0]
-            assert torch.equal(e1.grad, de.to(e.dtype)) and torch.equal(c1.grad, dc)
+            assert made[-1] == (torch.bfloat16, torch.bfloat16) and lean_calls == [] and flags == [1]
         else:
-            assert made[-1] == (torch.float32, torch.float32)
-            assert lean_calls == [True, False] and lean_calls.rows[-1] == masked_kept
-            _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, mask * (3.0 / mask.sum()))
+            assert made[-1] == (torch.float32, torch.float32) and flags == [1]
+            assert lean_calls == [False] and lean_calls.rows[-1] == masked_kept
+        _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, mask * (3.0 / mask.sum()))
     # reduction "mean" keeps making them in bf16.
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
     functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL).backward()
@@ -1161,7 +1199,9 @@ def test_no_tokens(reduction, budget, device):
 def test_snap_ratio(device):
     """kernels.snap_ratio: a number within 8 ulps of a power of two becomes it (the fp32 quotients of
     a forward's and a backward's scale differ by an ulp or two), any other normal number is off
-    (a bf16 dC must be recomputed); 0, subnormals, inf and NaN pass as they are and are not off."""
+    (a bf16 dC must be recomputed); 0, subnormals, inf and NaN pass as they are and are not off.
+    weighted (per-token weights of a kind other than one number: 1 many, 2 mask) flags and goes into
+    the report's code with 4 * off; snap=False passes the number and flags only per-token weights."""
     from cce_parallel import kernels
 
     one_ulp = 2.0**-23
@@ -1171,9 +1211,14 @@ def test_snap_ratio(device):
         (3.0, 3.0, 1), (-0.37, -0.37, 1), (0.0, 0.0, 0), (1e-40, 1e-40, 0), (float("inf"), float("inf"), 0),
     ]
     for ratio, want, off in cases:
-        out, flag, report = kernels.snap_ratio(torch.tensor(ratio, device=device))
-        assert out.item() == torch.tensor(want).item() and flag.tolist() == [off], ratio
-        assert report.tolist() == [off, out.item()]
+        r = torch.tensor(ratio, device=device)
+        for w in (0, 1, 2):
+            weighted = torch.tensor([w], device=device, dtype=torch.int32) if w else None
+            out, flag, report = kernels.snap_ratio(r, weighted)
+            assert out.item() == torch.tensor(want).item() and flag.tolist() == [int(w > 0) | off], (ratio, w)
+            assert report.tolist() == [w + 4 * off, out.item()]
+        out, flag, report = kernels.snap_ratio(r, None, snap=False)
+        assert out.item() == r.item() and flag.tolist() == [0] and report.tolist() == [0.0, r.item()]
     out, flag, _ = kernels.snap_ratio(torch.tensor(float("nan"), device=device))
     assert out.isnan().item() and flag.tolist() == [0]
     with pytest.raises(ValueError, match="one-element fp32"):

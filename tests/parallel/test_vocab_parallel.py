@@ -420,6 +420,8 @@ def _ranks_agree(out, sequence_parallel: bool, group):
 
 
 def _numerics_worker(rank, world, report, layout_names, device_type, impls):
+    from cce_parallel.ops import autograd
+
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     group = dist.group.WORLD
     layouts = {layout.name: layout for layout in LAYOUTS[world]}
@@ -439,6 +441,11 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
             )
             ref = oracle(**inputs, grad_loss=grad_loss, grad_lse=grad_lse, **opts)
             local, rows = local_view(inputs, layout, rank, world)
+            # A mask not folded: as in a process that has seen one (the first call's recompute is
+            # the device's), so that the correction on the masked rows runs, on every rank alike.
+            learned = autograd.per_token_weights_seen, autograd.masked_weights_seen
+            if case.masked:
+                autograd.per_token_weights_seen, autograd.masked_weights_seen = False, True
             expected = expected_shard(ref, layout, rank, world, rows)
             for name, impl in checks:
                 report.started(name)
@@ -464,6 +471,7 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
                     except Exception as exc:  # noqa: BLE001
                         fail = fail or "rerun: " + _describe(exc)
                 report.result(name, {"fail": fail, "errs": errs})
+            autograd.per_token_weights_seen, autograd.masked_weights_seen = learned
         report.result(f"seconds/{layout_name}", time.perf_counter() - began)
 
 
