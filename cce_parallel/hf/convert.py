@@ -333,7 +333,7 @@ def local_shard(p: Param, s: Shape, read, rank: int, tp: int) -> torch.Tensor:
         pad = per - (0 if got is None else got.shape[0])
         if pad == 0:
             return got
-        # Rows past the HF vocabulary (padding): zeros, i.e. logits 0 (see the README on padding).
+        # Rows past the HF vocabulary (padding): zeros, i.e. logits 0 (see docs/training.md, "Hugging Face in and out").
         filler = torch.zeros((pad, s.hidden), dtype=torch.float32 if got is None else got.dtype)
         return filler if got is None else torch.cat([got, filler])
     if p.layout == "column":

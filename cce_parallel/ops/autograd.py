@@ -45,9 +45,9 @@ then: on a one-block head that is the difference between torch.compile's peak an
 it, Phi 3.5 mini), else in the backward. dC is summed over the token blocks in the input dtype by the dC GEMMs themselves,
 except for the batch's target rows, which are summed in fp32 outside dC and rounded into it once
 with their target term (one_pass, kernels/target_rows.py): summing those in bf16 too measured worse
-than plain bf16 PyTorch (README, "Accuracy"). Into Megatron's main_grad dC is summed in fp32 and
+than plain bf16 PyTorch (docs/accuracy.md). Into Megatron's main_grad dC is summed in fp32 and
 added at backward; so it is for the two-pass variant and label smoothing. Nothing is filtered: on
-realistic data block sparsity is too low for skipping to pay (README, "Gradient filtering").
+realistic data block sparsity is too low for skipping to pay (docs/internals.md, "Gradient filtering").
 Everything is deterministic: library GEMMs and kernels without atomics.
 
 Under tensor parallelism each rank holds a shard of the vocabulary. Per token (block), the ranks
@@ -401,8 +401,8 @@ def one_pass(e, c, bias, targets, start, prepare, watch, cfg: LossConfig, comm, 
     # term cancels much of the GEMM's sum, are kept out of that: before each later block they move
     # into an fp32 buffer (kernels.fold_rows), so each holds an fp32 sum of once-rounded block
     # parts, to which the target term is added in fp32 and which is rounded into dC once at the
-    # end. That is at least as accurate as one block and as plain bf16 PyTorch (README,
-    # "Accuracy"), and needs no V x D fp32 sum. Into Megatron's fp32 main_grad dC goes unrounded,
+    # end. That is at least as accurate as one block and as plain bf16 PyTorch
+    # (docs/accuracy.md), and needs no V x D fp32 sum. Into Megatron's fp32 main_grad dC goes unrounded,
     # as Megatron's own weight gradient does; the two-pass variant, label smoothing and fp32
     # inputs sum in fp32 (the target term added per block, as into main_grad).
     low = fused and not uniform and not main_grad and c.dtype != torch.float32

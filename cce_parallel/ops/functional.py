@@ -22,7 +22,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # "auto" logits budget: the call's logits (over the largest shard, in the buffer's dtype) in
 # AUTO_BUDGET_PARTS token blocks where dC is summed in bf16, in one where it is summed in fp32
 # (into Megatron's main_grad, fp16, label smoothing), each block within AUTO_BUDGET bytes.
-# Measured on an H100 (README, "Which budget"): with dC summed in bf16, four blocks of Llama 3 8B,
+# Measured on an H100 (docs/internals.md, "Which budget"): with dC summed in bf16, four blocks of Llama 3 8B,
 # Qwen 2.5 7B or Gemma 2 2B at 8,192 tokens take 0.4-1.6 GB less than one or two, for 1-4 % more
 # time; more blocks of less than 512 MiB slow the dC GEMMs (Gemma 2 2B: +12 % at eight). An fp32
 # sum reads and writes V x D x 4 bytes per block. The cap keeps very long calls' buffers bounded.
@@ -235,7 +235,7 @@ def linear_cross_entropy(
         label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy.
         z_loss: adds z_loss * lse**2 per token.
         reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
-        impl: one of IMPLS (see the README's table).
+        impl: one of IMPLS (see docs/internals.md, "Which path, and which impl").
         logits_budget: bytes of the logits buffer per token block when gradients are computed in
             the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
             "auto" (a quarter of the call's logits where dC sums in bf16, all of them where it

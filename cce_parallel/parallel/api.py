@@ -44,7 +44,7 @@ def linear_cross_entropy(
         label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy, over the full vocabulary.
         z_loss: adds z_loss * lse**2 per token (lse over the full vocabulary).
         reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
-        impl: one of IMPLS (see the README's table).
+        impl: one of IMPLS (see docs/internals.md, "Which path, and which impl").
         logits_budget: bytes of the logits buffer per token block when gradients are computed in
             the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
             "auto" (a quarter of the call's logits where dC sums in bf16, all of them where it

@@ -1,4 +1,5 @@
-"""Bad inputs raise the exception type listed in the README (and ops/functional.py), with a message naming the problem.
+"""Bad inputs raise the exception type listed in docs/api.md, "Errors" (and ops/functional.py), with a
+message naming the problem.
 
 Each check runs with impl "torch" and with a Triton impl: the errors must come before any kernel.
 """

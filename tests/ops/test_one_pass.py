@@ -728,7 +728,7 @@ def test_bf16_dc_is_summed_in_bf16_with_target_rows_in_fp32(blocks, main_grad, d
 def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, primed, device, monkeypatch):
     """A bf16 dC made in the forward and then scaled by a number that is not a power of two (here
     the loss times 3, as for 3 micro-batches) would be rounded twice: worse than plain bf16
-    PyTorch (measured on an H100, README "Accuracy"). The first backward recomputes it
+    PyTorch (measured on an H100, docs/accuracy.md). The first backward recomputes it
     (kernels.weighted_grads, flagged on the device) and the host learns the number; the next forward
     makes dC for it, and its backward moves nothing. A power of two scales exactly. Told the number
     beforehand (expect_loss_scale), the first backward moves nothing either."""
