@@ -35,7 +35,7 @@ common=(
     data.source=stdlib data.tokenizer=bpe data.vocab_size=8192 data.dir="$work/data/stdlib-bpe-8192"
     train.steps="${STEPS:-300}" train.global_batch_size="${GBS:-64}" train.micro_batch_size="${MBS:-8}"
     optim.warmup_steps="${WARMUP:-30}" eval.interval=100 eval.iters=4
-    checkpoint.interval=0 checkpoint.keep=1 checkpoint.resume=never
+    checkpoint.interval=0 checkpoint.at_end=false checkpoint.resume=never
     logging.interval=10 logging.wandb=disabled
     ${EXTRA:-}
 )
