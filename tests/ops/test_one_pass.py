@@ -1225,6 +1225,16 @@ def test_snap_ratio(device):
         kernels.snap_ratio(torch.ones(2, device=device))
 
 
+def _weighted_grads_case(device):
+    """e [45, 40], c [37, 40], targets in [-1, 37) (-1: held by another rank), a [45] in [0, 1)."""
+    g = torch.Generator(device=device).manual_seed(3)
+    n, v, d = 45, 37, 40
+    e = torch.randn(n, d, generator=g, device=device)
+    c = torch.randn(v, d, generator=g, device=device) * 0.3
+    targets = torch.randint(-1, v, (n,), generator=g, device=device)
+    return e, c, targets, torch.rand(n, generator=g, device=device)
+
+
 @pytest.mark.parametrize("add", [False, True])
 def test_weighted_grads_moves_nothing_unless_flagged(add, device):
     """kernels.weighted_grads against float64: flag 0 leaves dC, dbias and dE as they were (bit for
@@ -1233,12 +1243,8 @@ def test_weighted_grads_moves_nothing_unless_flagged(add, device):
     output may be asked for alone."""
     from cce_parallel import kernels
 
-    g = torch.Generator(device=device).manual_seed(3)
-    n, v, d = 45, 37, 40
-    e = torch.randn(n, d, generator=g, device=device)
-    c = torch.randn(v, d, generator=g, device=device) * 0.3
-    targets = torch.randint(-1, v, (n,), generator=g, device=device)
-    a = torch.rand(n, generator=g, device=device)
+    e, c, targets, a = _weighted_grads_case(device)
+    n, v, d = e.shape[0], c.shape[0], e.shape[1]
     a[:20] = 0.0  # a whole block of 16 tokens, and some, with no weight
     b = a * 0.9
     z = (e.double() @ c.double().t())
@@ -1246,7 +1252,7 @@ def test_weighted_grads_moves_nothing_unless_flagged(add, device):
     dz = a.double()[:, None] * torch.exp(z - lse[:, None])
     here = targets >= 0
     dz[here.nonzero().squeeze(1), targets[here]] -= b.double()[here]
-    start_dc = torch.randn(v, d, generator=g, device=device)
+    start_dc = torch.randn(v, d, generator=torch.Generator(device=device).manual_seed(4), device=device)
     wants = {"dc": dz.t() @ e.double() + (start_dc.double() if add else 0.0), "db": dz.sum(dim=0),
              "de": dz @ c.double()}
     for flag, asked in ((0, "dc db de"), (1, "dc db de"), (1, "de"), (1, "dc"), (1, "db")):
@@ -1263,9 +1269,9 @@ def test_weighted_grads_moves_nothing_unless_flagged(add, device):
 
 
 def test_weighted_grads_retries_smaller_tiles_when_shared_memory_runs_out(device, monkeypatch):
-    """The launch is queued on every backward of a bf16 dC or dE, so a GPU with less shared memory
-    than the default tiles need must still run it: narrower dC tiles, then one stage, remembered per device
-    and dtype."""
+    """The launch is queued on every per-token backward that the device sorts and every backward of
+    a bf16 dC or dE, so a GPU with less shared memory than the default tiles need must still run it:
+    narrower dC tiles, then one stage, remembered per device and dtype."""
     import importlib
 
     from triton.runtime.errors import OutOfResources
@@ -1284,21 +1290,15 @@ def test_weighted_grads_retries_smaller_tiles_when_shared_memory_runs_out(device
 
     monkeypatch.setattr(module, "_launch", launch)
     monkeypatch.setattr(module, "_FITTING", {})
-    g = torch.Generator(device=device).manual_seed(3)
-    n, v, d = 45, 37, 40
-    e = torch.randn(n, d, generator=g, device=device)
-    c = torch.randn(v, d, generator=g, device=device) * 0.3
-    targets = torch.randint(-1, v, (n,), generator=g, device=device)
-    a = torch.rand(n, generator=g, device=device)
+    e, c, targets, a = _weighted_grads_case(device)
     lse = torch.logsumexp(e @ c.t(), dim=1)
-    dc, want = torch.zeros(v, d, device=device), torch.zeros(v, d, device=device)
+    dc, want = torch.zeros_like(c), torch.zeros_like(c)
     flag = torch.ones(1, device=device, dtype=torch.int32)
     kernels.weighted_grads(flag, e, c, None, targets, lse, a, a, None, torch.ones(1, device=device), dc, None,
                            softcap=None, add_dc=False)
-    x = {"e": e}
     first = module.CUDA_BLOCKS if device.type == "cuda" else module.CPU_BLOCKS
     assert tried == [first, module._smaller(first)]
-    assert module._FITTING == {(x["e"].device, x["e"].dtype): module._smaller(first)}
+    assert module._FITTING == {(e.device, e.dtype): module._smaller(first)}
     assert module._smaller({"BLOCK_D": 64, "num_stages": 2}) == {"BLOCK_D": 32, "num_stages": 2}
     assert module._smaller({"BLOCK_D": 32, "num_stages": 2}) == {"BLOCK_D": 32, "num_stages": 1}
     real(first, flag, e, c, None, targets, lse, a, a, None, torch.ones(1, device=device), want, None, None,
