@@ -1,7 +1,7 @@
 """Print `name==version` for each named distribution that is installed (a pip constraints file).
 
     python docker/pin_installed.py torch triton numpy > /tmp/pins.txt
-    PIP_CONSTRAINT=/tmp/pins.txt pip install -e ".[megatron,wandb]"
+    PIP_CONSTRAINT=/tmp/pins.txt pip install -e ".[megatron,wandb,hf]"
 
 Pinning what the base image ships keeps pip from replacing it (e.g. NGC's CUDA build of torch
 with a PyPI wheel); a requirement that needs another version then fails loudly instead.
