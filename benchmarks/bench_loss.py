@@ -219,12 +219,15 @@ def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> l
                 def make_ours(impl=impl, budget=budget, upstream=upstream, fn=cce_parallel.linear_cross_entropy,
                               package=package):
                     # Each method and case runs as in a fresh process of its own: a per-token-weighted
-                    # backward makes later reduction="none" calls take the lean path (ops/autograd.py),
+                    # backward makes later reduction="none" calls take the lean path (ops/upstream.py),
                     # a process-wide switch that must not carry over into /masked (the methods take
                     # turns in the timing rounds). So each call sets it as this method alone would
                     # have: on for /weighted after its first call, off otherwise; likewise the switch
                     # to fp32 gradients that /unfolded's first bf16 backward sets (masked_weights_seen).
-                    autograd = importlib.import_module(f"{package}.ops.autograd")
+                    try:  # where the process-wide switches live (ops/autograd.py in older baselines)
+                        learned = importlib.import_module(f"{package}.ops.upstream")
+                    except ImportError:
+                        learned = importlib.import_module(f"{package}.ops.autograd")
                     if upstream is None:
                         base = lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)  # noqa: E731
                     else:
@@ -234,9 +237,9 @@ def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> l
                     calls = [0]
 
                     def loss(e, c, t):
-                        autograd.per_token_weights_seen = upstream == "weighted" and calls[0] > 0
-                        if hasattr(autograd, "masked_weights_seen"):  # a baseline package may predate it
-                            autograd.masked_weights_seen = upstream == "unfolded" and calls[0] > 0
+                        learned.per_token_weights_seen = upstream == "weighted" and calls[0] > 0
+                        if hasattr(learned, "masked_weights_seen"):  # a baseline package may predate it
+                            learned.masked_weights_seen = upstream == "unfolded" and calls[0] > 0
                         calls[0] += 1
                         return base(e, c, t)
 

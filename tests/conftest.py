@@ -47,7 +47,7 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _fresh_backward_state(monkeypatch):
-    """Each test starts as a fresh process: nothing learned from earlier backwards (ops/autograd.py:
+    """Each test starts as a fresh process: nothing learned from earlier backwards (ops/upstream.py:
     no per-token weights seen, loss scale 1), so a test's calls take the path their options ask for."""
     fresh_backward_state(monkeypatch)
 

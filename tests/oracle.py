@@ -1,6 +1,6 @@
 """Independent references for the linear + cross-entropy loss (no cce_parallel import).
 
-- ``oracle``: dense float64 autograd written from the math in ops/autograd.py's docstring, chunked over tokens
+- ``oracle``: dense float64 autograd written from the math in ops/common.py's docstring, chunked over tokens
   when asked so that it fits in GPU memory at real vocabulary sizes. This is the ground truth.
 - ``plain_torch``: what a PyTorch user writes in the input dtype (``F.linear`` in bf16/fp16,
   ``.float()``, softcap, ``F.cross_entropy``). Its error against the oracle is the error bar for

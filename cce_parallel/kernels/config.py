@@ -13,7 +13,7 @@ import torch
 class KernelConfig:
     """Block sizes and chunk budgets of the Triton passes around the library GEMMs.
 
-    One-pass path (ops/autograd.py; the default whenever gradients are needed): per block of
+    One-pass path (ops/one_pass.py; the default whenever gradients are needed): per block of
     tokens, the fused GEMM (kernels/probs_gemm.py) writes the softmax weights over the whole local
     vocabulary into a buffer of the caller's `logits_budget`, in probs_block_n x probs_block_v
     tiles, probs_block_d deep, probs_num_warps warps, probs_num_stages pipeline stages, over

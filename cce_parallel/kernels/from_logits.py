@@ -7,7 +7,7 @@ the budget); these kernels then make one pass over it:
   _stats_from_logits_kernel, grid (cdiv(N, BLOCK_N), slices): for each row, over a slice of the
       chunk's columns, z = softcap * tanh((x + bias) / softcap) (or x + bias), and the partials
       max, sumexp (relative to that max), zt (the target's z if the target is in the slice) and
-      zsum; written to row `split + slice` of [S, N] outputs, which ops/autograd.py folds.
+      zsum; written to row `split + slice` of [S, N] outputs, which ops/lean.py folds.
   _dz_from_logits_kernel, grid (cdiv(N, BLOCK_N), cdiv(Vc, BLOCK_V)): the loss gradient w.r.t. the
       logits, dz = A p - B [v == target] - U (times the softcap's 1 - tanh^2), p = exp(z - lse),
       written in the input dtype to a separate workspace (the two-pass "lean" backward).

@@ -400,7 +400,7 @@ def _grad_rows_kernel(
 
 def grad_rows(w_mat, ref, m, s, zt, g, targets, lse, w, b, e=None, we=None, *, softcap, z_loss, label_smoothing):
     """The per-token factors of one block's logit gradient w W - B' [v == target] - U (see
-    ops/autograd.py, one_pass), from its statistics over the whole vocabulary: M the largest of the
+    ops/one_pass.py), from its statistics over the whole vocabulary: M the largest of the
     ranks' references, S = sum exp(z - M), zt, and the weights g. Writes lse = M + log S, w =
     A exp(ref - M) / S and B' (fp32 [k], A and B' for g, z_loss and label smoothing; a row whose
     ref lies whole BUCKETs below M has its W brought to M first, and ref = M); where the target is

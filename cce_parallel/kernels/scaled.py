@@ -104,7 +104,7 @@ def _snap_kernel(R_ptr, Weighted_ptr, Out_ptr, Flag_ptr, Report_ptr, HAS_WEIGHTE
 
 def snap_ratio(ratio: torch.Tensor, weighted=None, *, snap: bool = True):
     """One launch, no host sync. ratio: a one-element fp32 tensor; weighted: None or int32 [1],
-    0 or a code of the per-token weights (ops/autograd.py: 1 many, 2 mask). Returns (snapped, flag,
+    0 or a code of the per-token weights (ops/upstream.py: 1 many, 2 mask). Returns (snapped, flag,
     report): snapped (shaped like ratio) the power of two within SNAP_ULPS of ratio if there is
     one, else ratio; flag int32 [1], 1 where weighted is not 0 or off is 1, off being 1 for a normal
     ratio that is not near a power of two (0, subnormals, inf and NaN are not off); report fp32 [2]

@@ -13,7 +13,7 @@ were mostly another rank's, clamped to one row until 2b7d46a (now 0.14 ms); time
 benchmarks/results/h100_20261125_target_rows.md.
 
 fold_rows: over several token blocks, the batch's target rows of a bf16 dC are summed in fp32
-outside it (see ops/autograd.py, one_pass).
+outside it (see ops/one_pass.py).
 
 scale_sub_rows: dE's per-token scale and target term (see its docstring).
 """

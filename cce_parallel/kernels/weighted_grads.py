@@ -20,7 +20,7 @@ program, which walks all tokens, recomputing their [BLOCK_N, BLOCK_V] logits ove
 (blocks of tokens whose A, B and U are all 0 are skipped); each [BLOCK_N, BLOCK_D] tile of dE
 likewise walks the whole vocabulary. That repeats the logits GEMM cdiv(D, BLOCK_D) times per
 gradient, but needs no workspace, no atomics (deterministic) and no second launch; it runs only
-for a process's first per-token-weighted calls (the host then learns of them, ops/autograd.py) and
+for a process's first per-token-weighted calls (the host then learns of them, ops/upstream.py) and
 the first calls at a loss scale the host has not learned yet. Offsets are int64.
 """
 

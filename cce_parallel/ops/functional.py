@@ -12,8 +12,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from cce_parallel.ops.autograd import IMPL_TRAITS, SINGLE, Collectives, LinearCrossEntropyFunction, LossConfig
-from cce_parallel.ops import autograd
+from cce_parallel.ops import upstream
+from cce_parallel.ops.autograd import LinearCrossEntropyFunction
+from cce_parallel.ops.common import IMPL_TRAITS, SINGLE, Collectives, LossConfig, fused_one_pass
 
 IMPLS = tuple(IMPL_TRAITS)
 REDUCTIONS = ("none", "sum", "mean")
@@ -166,7 +167,7 @@ class TargetCheck:
     """Every tensor-parallel rank's count of bad targets on its way to the host: copied without
     blocking as soon as they are known on the device (`watch`, called by the autograd Function:
     after the targets' pass with one rank, after the first all-reduce with several; see
-    ops/autograd.py's _BadTargets), read by `raise_if_bad` after the loss's forward is queued.
+    ops/common.py's _BadTargets), read by `raise_if_bad` after the loss's forward is queued.
     Waiting then costs the GPU no idle: the copy sits ahead of most of the loss's kernels in the
     stream. Every rank reads every rank's count, so they all raise, and none is left waiting for
     the others in its next collective. Kernels treat a target outside [0, vocab) like one held by
@@ -290,11 +291,11 @@ def sharded_linear_cross_entropy(
         row_ranks=world if sequence_parallel else 1,
     )
     shard = c.shape[0]
-    fused = autograd.fused_one_pass(e.dtype, softcap, label_smoothing)
-    # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/autograd.py. Once a
+    fused = fused_one_pass(e.dtype, softcap, label_smoothing)
+    # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/one_pass.py. Once a
     # backward has seen masked per-token weights, per-token calls make dC and dE in fp32 instead, so
-    # that their backwards can subtract the masked rows' part (autograd.masked_weights_seen).
-    fp32_grads = reduction == "none" and autograd.masked_weights_seen
+    # that their backwards can subtract the masked rows' part (upstream.masked_weights_seen).
+    fp32_grads = reduction == "none" and upstream.masked_weights_seen
     bf16_dc = (fused and not label_smoothing and c_main_grad is None and e.dtype != torch.float32
                and not fp32_grads)
     budget = resolve_logits_budget(
@@ -313,7 +314,7 @@ def sharded_linear_cross_entropy(
     # Megatron's (loss * mask).sum() / mask.sum(), the mask folded into ignore_index, then needs no
     # pass over dC in the backward.
     check = TargetCheck(comm.rank)
-    loss_scale = autograd.loss_scale if bf16_dc else 1.0
+    loss_scale = upstream.loss_scale if bf16_dc else 1.0
 
     def prepare():
         prepared = prepare_targets(t2, ignore_index, vocab, vocab_start, shard, reduction != "sum", use_triton)
@@ -338,8 +339,8 @@ def sharded_linear_cross_entropy(
         logits_budget=budget,
         block_vocab=largest_shard or shard,
         one_pass=use_triton and budget > 0 and torch.is_grad_enabled() and any(need)
-        and not (reduction == "none" and autograd.per_token_weights_seen)
-        and not (bf16_dc and autograd.loss_scale_unsteady),
+        and not (reduction == "none" and upstream.per_token_weights_seen)
+        and not (bf16_dc and upstream.loss_scale_unsteady),
         need_de=need[0],
         need_dc=need[1],
         need_db=need[2],
@@ -357,7 +358,7 @@ def sharded_linear_cross_entropy(
     # Earlier backwards' reports (the loss scale), for the calls after this one:
     # queued before this call's targets, they have arrived by now. Waiting for them before the
     # forward instead would let the GPU drain between back-to-back calls (Phi 3.5 mini: +6 %).
-    autograd.read_backward_reports()
+    upstream.read_backward_reports()
     if reduction == "none":
         loss = loss.reshape(out_shape)
     elif reduction == "sum":

@@ -39,7 +39,7 @@ def _target_mask(tgt, v):
 
 
 def forward_stats(e, c, bias, targets, softcap, *, need_zsum: bool):
-    """Per-token (max, sumexp, zt, zsum) over the rows of c; the fp64 twin of ops.autograd.local_stats."""
+    """Per-token (max, sumexp, zt, zsum) over the rows of c; the fp64 twin of ops.lean.local_stats."""
     n, v = e.shape[0], c.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
     mx, se, zt = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)

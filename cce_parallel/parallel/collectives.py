@@ -4,7 +4,7 @@
 import torch
 import torch.distributed as dist
 
-from cce_parallel.ops.autograd import Collectives
+from cce_parallel.ops.common import Collectives
 
 # torch >= 2.13 renames the tensor-in/tensor-out collectives; 2.6-2.12 only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

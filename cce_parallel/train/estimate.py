@@ -179,7 +179,7 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
 def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype, *, main_grad: bool = False) -> float:
     """Peak bytes of the CCE loss layer for n_tokens tokens over a vocabulary shard of `shard` rows
     (see the module docstring); main_grad: ∇C goes into an fp32 main_grad (so it stays fp32)."""
-    from cce_parallel.ops.autograd import fused_one_pass, token_block
+    from cce_parallel.ops.common import fused_one_pass, token_block
     from cce_parallel.ops.functional import resolve_logits_budget
 
     width = torch.empty((), dtype=dtype).element_size()
@@ -188,7 +188,7 @@ def cce_loss_bytes(recipe: Recipe, n_tokens: int, shard: float, h: int, dtype, *
     fused = fused_one_pass(dtype, loss.softcap, loss.label_smoothing)
     logit_width = width if fused else 4
     rows = math.ceil(shard)
-    # dC in the input dtype on the fused path without label smoothing (ops/autograd.py: one_pass)
+    # dC in the input dtype on the fused path without label smoothing (ops/one_pass.py)
     low = fused and loss.label_smoothing == 0 and not main_grad and width < 4
     budget = resolve_logits_budget(loss.logits_budget, n_tokens * rows * logit_width, bf16_dc=low)
     if budget == 0:

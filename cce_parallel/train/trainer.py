@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 
 from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
 from cce_parallel.megatron import mask_labels
-from cce_parallel.ops import autograd
+from cce_parallel.ops import upstream
 from cce_parallel.train import checkpoint, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine
@@ -104,7 +104,7 @@ class Trainer:
             # The schedule divides each micro-batch's loss by their number: the one-pass loss makes
             # a bf16 ∇W for that from the first call (not learned at the first backward), so that a
             # resumed run computes the same bits as one that never stopped.
-            autograd.expect_loss_scale(1.0 / self.layout["accumulation"])
+            upstream.expect_loss_scale(1.0 / self.layout["accumulation"])
 
         self.step = 0
         self.metrics = MetricsLogger(
@@ -220,7 +220,7 @@ class Trainer:
             flops_per_token=flops_per_token(self.recipe, self.vocab_size), peak_tflops=self.peak_tflops,
             torch=torch.__version__, megatron_core=megatron.core.__version__, python=sys.version.split()[0],
             commit=commit, host=socket.gethostname(), time=time.time(),
-            loss_scale=autograd.loss_scale,  # what a bf16 ∇W made in the loss's forward is made for
+            loss_scale=upstream.loss_scale,  # what a bf16 ∇W made in the loss's forward is made for
             loss_fusion=self._loss_fusion,  # megatron_fused: the cross_entropy_fusion_impl it ran (native / te)
         )
         r = self.recipe

@@ -46,6 +46,7 @@ def _step(built, batch, labels, loss_mask=None):
 def _check(device, report):
     from cce_parallel.megatron import cce_output_processor
     from cce_parallel.ops import autograd
+    from cce_parallel.ops import upstream as ops_upstream
     from tests.megatron.gpt_setup import Setup, build, init_parallel, make_batches, rel_err
 
     s = Setup("loss-mask", tp=2, ignore_frac=0.25)
@@ -94,14 +95,14 @@ def _check(device, report):
     # device and reports the mask, the second corrects dC on the masked kept rows alone; every kept
     # token is masked or not, none is weighted otherwise.
     _step(cce, batch, batch["labels"])
-    autograd.read_backward_reports()
-    out["control_masked_seen"] = autograd.masked_weights_seen
+    ops_upstream.read_backward_reports()
+    out["control_masked_seen"] = ops_upstream.masked_weights_seen
     del lean_rows[:]
     _, control_grads = _step(cce, batch, batch["labels"])
     out["control_lean_rows"] = lean_rows[:]
     out["masked_kept"] = int((masked & (batch["labels"] >= 0)).sum())
     out["control_vs_megatron"] = max(rel_err(control_grads[n], g) for n, g in ref_grads.items())
-    out["control_no_switch"] = not autograd.per_token_weights_seen
+    out["control_no_switch"] = not ops_upstream.per_token_weights_seen
     autograd.lean_backward = lean_backward
     report.result("loss_mask", out)
 

@@ -273,7 +273,7 @@ def test_token_blocks_no_worse_than_plain_pytorch(dtype, monkeypatch):
     """The lean path with its tokens split into blocks (4 MB budgets: 4 forward blocks, 7 backward
     blocks of 586 tokens), every option and a bias; for fp16 the scaled dC sum and dbias too."""
     from cce_parallel.kernels.config import KernelConfig
-    from cce_parallel.ops.autograd import dense_blocks
+    from cce_parallel.ops.common import dense_blocks
 
     budget = 4 << 20
     monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", f'{{"fwd_chunk_bytes": {budget}, "bwd_workspace_bytes": {budget}}}')
@@ -344,7 +344,7 @@ def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(primed):
     in the forward on one rank) and the host learns the 3, after which the forward makes them for
     it; told beforehand (expect_loss_scale), no recompute at all. Every call's errors are within
     plain PyTorch's."""
-    from cce_parallel.ops import autograd
+    from cce_parallel.ops import upstream as ops_upstream
 
     n, v, d = 4096, 32064, 3072
     inputs = random_inputs((n,), v, d, dtype=BF16, device=torch.device("cuda"))
@@ -357,14 +357,14 @@ def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(primed):
     show("bf16 dC made for 1, then scaled by 3", {"dc": twice}, plain_errs)
     assert twice > SLACK * plain_errs["dc"]
     if primed:
-        autograd.expect_loss_scale(3.0)
+        ops_upstream.expect_loss_scale(3.0)
     for call in ("first", "second"):
         errs = errors(run(linear_cross_entropy, inputs, options, three), ref)
         show(f"upstream 3, {call} call, primed {primed}", errs, plain_errs)
         bad = worse_than_plain(errs, plain_errs)
         assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
-        autograd.read_backward_reports()  # now, not after the next forward
-        assert autograd.loss_scale == 3.0
+        ops_upstream.read_backward_reports()  # now, not after the next forward
+        assert ops_upstream.loss_scale == 3.0
 
 
 @pytest.mark.parametrize("n, v, d", [(1, 1, 16), (1, 128, 32), (37, 300, 48), (64, 4096, 64)])
@@ -389,6 +389,7 @@ def test_bf16_masked_upstream_not_folded():
     in fp32 and their backward subtracts the masked rows' part (the lean backward on those rows
     alone). Every call's errors are within plain bf16 PyTorch's."""
     from cce_parallel.ops import autograd
+    from cce_parallel.ops import upstream as ops_upstream
 
     n, v, d = 4096, 32064, 3072
     inputs = random_inputs((n,), v, d, dtype=BF16, device=torch.device("cuda"))
@@ -409,7 +410,7 @@ def test_bf16_masked_upstream_not_folded():
             assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
     finally:
         autograd.lean_backward = lean_backward
-    assert autograd.masked_weights_seen and not autograd.per_token_weights_seen
+    assert ops_upstream.masked_weights_seen and not ops_upstream.per_token_weights_seen
     masked_kept = int(((mask == 0) & (inputs["targets"] != -100)).sum())
     assert lean_rows == [masked_kept], lean_rows  # the third call's correction
 
@@ -423,7 +424,7 @@ def test_no_host_sync_in_a_training_step(budget, upstream_kind):
     That holds for a mean, for Megatron's (loss * mask).sum() / mask.sum() with the mask folded,
     and for per-token weights (whose dC the device recomputes: checked against a lean run).
     A target out of range still raises, naming it."""
-    from cce_parallel.ops import autograd
+    from cce_parallel.ops import upstream as ops_upstream
 
     g = torch.Generator(device="cuda").manual_seed(6)
     e = torch.randn(512, 256, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -451,7 +452,7 @@ def test_no_host_sync_in_a_training_step(budget, upstream_kind):
     assert torch.isfinite(loss) and e.grad[::5].eq(0).all() and e.grad[1::5].ne(0).any()
     if upstream_kind == "weighted":
         # The first call's report reached the host during the second's forward: later calls go lean.
-        assert autograd.per_token_weights_seen
+        assert ops_upstream.per_token_weights_seen
         de, dc = e.grad, c.grad
         e.grad = c.grad = None
         loss_of("lean").backward()

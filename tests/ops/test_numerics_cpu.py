@@ -11,10 +11,10 @@ backward's three cases (one upstream number, per-token weights, a gradient throu
 lean path (logits_budget="lean"). Tolerances are relative Frobenius errors, as tight as fp32 allows.
 """
 
-import math
 import dataclasses
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -387,7 +387,7 @@ def test_dense_forward_chunks_and_slices_match_oracle(chunk_bytes, device, monke
     chunk, targets and label smoothing inside every slice) against the float64 oracle."""
     from cce_parallel.kernels import stats_slices
     from cce_parallel.kernels.config import INTERPRETER_CONFIG
-    from cce_parallel.ops.autograd import logit_chunk
+    from cce_parallel.ops.common import logit_chunk
 
     monkeypatch.setenv("CCE_PARALLEL_KERNEL_CONFIG", f'{{"fwd_chunk_bytes": {chunk_bytes}, "fwd_programs": 64}}')
     case = CASES["everything-3d"]
@@ -406,7 +406,7 @@ def test_dense_forward_chunks_and_slices_match_oracle(chunk_bytes, device, monke
 def test_dense_token_blocks_match_oracle(chunk_bytes, min_cols, rows, device, monkeypatch):
     """The lean path with the tokens in one block, in several, and in blocks of one or two: the forward
     folds its partials as it goes, the backward sums dC over the blocks in fp32."""
-    from cce_parallel.ops.autograd import dense_blocks
+    from cce_parallel.ops.common import dense_blocks
 
     fields = {"fwd_chunk_bytes": chunk_bytes, "bwd_workspace_bytes": chunk_bytes, "dense_min_cols": min_cols}
     fields.update(fwd_block_v=64, bwd_block_v=64)
@@ -425,7 +425,7 @@ def test_dense_blocks_keep_chunks_wide():
     """At the default budget, the chunk width stays at least dense_min_cols however many tokens there
     are (the token blocks shrink instead), within the budget, the blocks equal and covering all tokens."""
     from cce_parallel.kernels.config import KernelConfig
-    from cce_parallel.ops.autograd import dense_blocks
+    from cce_parallel.ops.common import dense_blocks
 
     k = KernelConfig()
     for n in (1, 1000, 8192, 10000, 16384, 65536, 1 << 20):

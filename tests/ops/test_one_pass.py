@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from cce_parallel import linear_cross_entropy
-from cce_parallel.ops import autograd
+from cce_parallel.ops import autograd, common
+from cce_parallel.ops import one_pass as one_pass_module
+from cce_parallel.ops import upstream as ops_upstream
 from tests.helpers import check_against_oracle, errors, fresh_backward_state, random_inputs, run, upstream
 from tests.oracle import oracle, rel_err
 
@@ -41,9 +43,9 @@ def lean_calls(monkeypatch):
 
 def _then_flags(call):
     """call(), then read the backward's report as the next call would: on a GPU the host learns of
-    per-token weights after the next call's forward (autograd.read_backward_reports), on a CPU at once."""
+    per-token weights after the next call's forward (ops_upstream.read_backward_reports), on a CPU at once."""
     call()
-    autograd.read_backward_reports()
+    ops_upstream.read_backward_reports()
 
 
 class _Calls(list):
@@ -103,7 +105,7 @@ def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monk
     ref = oracle(e.detach(), c.detach(), x["targets"], reduction="mean")
     assert rel_err(e.grad, ref.de) < 5e-5 and rel_err(c.grad, ref.dc) < 5e-5
     assert ratios == [1.0] and flags == [0] and lean_calls == []
-    assert not autograd.per_token_weights_seen and not autograd.masked_weights_seen
+    assert not ops_upstream.per_token_weights_seen and not ops_upstream.masked_weights_seen
 
 
 @pytest.mark.parametrize("options", [{"z_loss": 1e-3}, {"label_smoothing": 0.1, "softcap": 3.0}])
@@ -116,7 +118,7 @@ def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls
     with pytest.warns(UserWarning, match="neither one number"):
         _then_flags(lambda: check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss,
                                                  label="weights"))
-    assert autograd.per_token_weights_seen and lean_calls == []
+    assert ops_upstream.per_token_weights_seen and lean_calls == []
     # The next per-token call takes the lean path from the start (its backward computes dE too).
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -129,14 +131,14 @@ def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls
 
 def test_weights_known_before_the_backward_recompute_dc_with_the_lean_backward(device, lean_calls, monkeypatch):
     """On a GPU the host learns of per-token weights after the next call's forward
-    (autograd.read_backward_reports): that call, whose forward ran on the one-pass path, sorts its
+    (ops_upstream.read_backward_reports): that call, whose forward ran on the one-pass path, sorts its
     weights on the host and takes the lean backward for dC and dbias (library GEMMs, exact for any
     weights) and scales dE."""
     x = inputs(device)
     grad_loss, _ = upstream(x["targets"], "none", False)
     e, c, bias = (x[k].detach().requires_grad_() for k in ("e", "c", "bias"))
     loss = linear_cross_entropy(e, c, x["targets"], bias=bias, impl=IMPL, reduction="none")
-    monkeypatch.setattr(autograd, "per_token_weights_seen", True)
+    monkeypatch.setattr(ops_upstream, "per_token_weights_seen", True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loss.backward(grad_loss)
@@ -155,7 +157,7 @@ def test_nan_weight_reaches_the_gradients(device, lean_calls):
     with pytest.warns(UserWarning, match="neither one number"):
         out = run(linear_cross_entropy, x, {"impl": IMPL, "reduction": "none"}, grad_loss)
     assert out.dc.isnan().any() and out.de[kept[0]].isnan().all() and lean_calls == []
-    assert autograd.per_token_weights_seen
+    assert ops_upstream.per_token_weights_seen
 
 
 def _masked_case(device, masked, scale=3.0, **kw):
@@ -187,9 +189,9 @@ def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label=f"masked {call}")
-            autograd.read_backward_reports()
+            ops_upstream.read_backward_reports()
         assert lean_calls == [False] * call and lean_calls.rows == [masked_kept] * call
-        assert autograd.masked_weights_seen and not autograd.per_token_weights_seen
+        assert ops_upstream.masked_weights_seen and not ops_upstream.per_token_weights_seen
 
 
 def test_masked_upstream_into_main_grad(device, lean_calls):
@@ -206,7 +208,7 @@ def test_masked_upstream_into_main_grad(device, lean_calls):
         loss = functional.sharded_linear_cross_entropy(e, c, x["targets"], bias=bias, impl=IMPL, reduction="none",
                                                        c_main_grad=lambda buffer=buffer: buffer)
         loss.backward(grad_loss)
-        autograd.read_backward_reports()
+        ops_upstream.read_backward_reports()
         assert c.grad is None and lean_calls.rows == [masked_kept] * call
         assert rel_err(buffer - 0.5, ref.dc) < 5e-5 and rel_err(e.grad, ref.de) < 5e-5
         assert rel_err(bias.grad, ref.dbias) < 5e-5
@@ -569,7 +571,7 @@ def test_token_blocks_are_equal_and_fit_the_budget():
     for n in (1, 37, 1000, 8192, 65536):
         for v, budget in ((517, 6000), (256000, 2 << 30), (32064, 1 << 20), (128256, 1)):
             for itemsize in (2, 4):
-                rows = autograd.token_block(n, v, budget, itemsize)
+                rows = common.token_block(n, v, budget, itemsize)
                 blocks = math.ceil(n / rows)
                 assert rows >= 1 and (blocks - 1) * rows < n <= blocks * rows
                 assert rows == 1 or rows * v * itemsize <= budget
@@ -739,7 +741,7 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
     e, c, t = _frequent_target_case(device)
     budget = 2 * c.shape[0] * (t.shape[0] // blocks)
     if primed:
-        autograd.expect_loss_scale(3.0)
+        ops_upstream.expect_loss_scale(3.0)
     for scale, flag in ((3.0, 0 if primed else 1), (3.0, 0), (6.0, 0), (3.0, 0)):
         e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
         if reduction == "mean":
@@ -751,8 +753,8 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
         (loss * scale).backward()
         _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, scale)
         assert flags[-1] == flag, (scale, flags)
-        autograd.read_backward_reports()  # now, not after the next forward (a GPU host would learn then)
-        assert autograd.loss_scale == 3.0 and not autograd.loss_scale_unsteady
+        ops_upstream.read_backward_reports()  # now, not after the next forward (a GPU host would learn then)
+        assert ops_upstream.loss_scale == 3.0 and not ops_upstream.loss_scale_unsteady
 
 
 @pytest.mark.parametrize("known", [False, True])
@@ -776,7 +778,7 @@ def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monk
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
     per_token = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, reduction="none")
     if known:
-        monkeypatch.setattr(autograd, "per_token_weights_seen", True)
+        monkeypatch.setattr(ops_upstream, "per_token_weights_seen", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         (per_token * weights).sum().backward()
@@ -814,7 +816,7 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ((per_token * mask).sum() / mask.sum() * 3.0).backward()
-        assert autograd.masked_weights_seen and not autograd.per_token_weights_seen
+        assert ops_upstream.masked_weights_seen and not ops_upstream.per_token_weights_seen
         if call == 0:
             assert made[-1] == (torch.bfloat16, torch.bfloat16) and lean_calls == [] and flags == [1]
         else:
@@ -846,12 +848,12 @@ def test_bf16_dc_bits_with_a_primed_loss_scale_do_not_depend_on_earlier_calls(de
     def calls(primed):
         fresh_backward_state(monkeypatch)
         if primed:
-            autograd.expect_loss_scale(3.0)
+            ops_upstream.expect_loss_scale(3.0)
         grads = []
         for _ in range(3):
             e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
             (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * 3.0).backward()
-            autograd.read_backward_reports()
+            ops_upstream.read_backward_reports()
             grads.append((e1.grad, c1.grad))
         return grads
 
@@ -880,14 +882,14 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
             (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * scale).backward()
             _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, scale)
     assert [str(w.message) for w in caught if "changed between backwards" in str(w.message)]
-    assert autograd.loss_scale_unsteady
+    assert ops_upstream.loss_scale_unsteady
     if device.type == "cuda":
         assert flags == [1, 1, 0] and lean_calls == [True]
     else:
         assert flags == [1, 1] and lean_calls == [True, True]
     # Told the number, the loss takes the one-pass path again (and moves nothing at that number).
-    autograd.expect_loss_scale(3.0)
-    assert not autograd.loss_scale_unsteady
+    ops_upstream.expect_loss_scale(3.0)
+    assert not ops_upstream.loss_scale_unsteady
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
     (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * 3.0).backward()
     _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, 3.0)
@@ -897,15 +899,15 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
 @pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf"), True, "1", torch.tensor(0.5)])
 def test_expect_loss_scale_rejects_what_is_not_a_finite_nonzero_number(scale):
     with pytest.raises(ValueError, match="finite nonzero number"):
-        autograd.expect_loss_scale(scale)
+        ops_upstream.expect_loss_scale(scale)
 
 
 def test_expect_loss_scale_takes_any_real_number():
     import numpy as np
 
     for scale, want in ((np.float32(0.25), 0.25), (3, 3.0), (-0.5, -0.5)):
-        autograd.expect_loss_scale(scale)
-        assert autograd.loss_scale == want and type(autograd.loss_scale) is float
+        ops_upstream.expect_loss_scale(scale)
+        assert ops_upstream.loss_scale == want and type(ops_upstream.loss_scale) is float
 
 
 @pytest.mark.parametrize("blocks", [1, 2])
@@ -951,7 +953,7 @@ def test_target_rows_are_numbered_without_a_sync(device):
     and -1 past the last; targets outside [0, v) (ignored, or in another shard) get -1, which
     kernels.add_rows_summed skips."""
     t = torch.tensor([5, -1, 3, 5, 9, 12, 3, 0, -100, 5], device=device)
-    got = autograd._TargetRows(t, 10, 4)
+    got = one_pass_module._TargetRows(t, 10, 4)
     distinct = [0, 3, 5, 9]
     assert got.rows.tolist() == distinct + [-1] * 6
     for i, x in enumerate(t.tolist()):
@@ -960,7 +962,7 @@ def test_target_rows_are_numbered_without_a_sync(device):
         else:
             assert got.slot[i].item() == -1
     assert got.acc.shape == (10, 4) and not got.acc.any()
-    assert autograd._TargetRows(t, 3, 4).rows.tolist() == [0, -1, -1]  # min(n, v) rows
+    assert one_pass_module._TargetRows(t, 3, 4).rows.tolist() == [0, -1, -1]  # min(n, v) rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1158,7 +1160,7 @@ def test_scale_sub_rows_into_a_narrower_tensor(device):
 
 @pytest.mark.parametrize("v, rows_w, tmp", [(300, 304, False), (20, 24, False), (300, 304, True)])
 def test_rounded_de_keeps_its_fp32_rows_in_memory_the_block_is_done_with(v, rows_w, tmp, device):
-    """autograd._rounded_de: dE = w (W C) - B' C[target] rounded once to the input dtype. Its three
+    """one_pass_module._rounded_de: dE = w (W C) - B' C[target] rounded once to the input dtype. Its three
     GEMM parts' fp32 rows go into dE's own memory and W's rows already read (W changes), unless the
     vocabulary is too narrow for that (under about 2 D: an fp32 buffer, W untouched) or the caller
     gives an fp32 buffer (several token blocks: one GEMM, W untouched). bf16 on CPU
@@ -1177,7 +1179,7 @@ def test_rounded_de_keeps_its_fp32_rows_in_memory_the_block_is_done_with(v, rows
             - b.double()[:, None] * c.double()[targets.clamp(0)])
     before = buf.clone()
     de = torch.empty(k, d, device=device, dtype=dtype)
-    autograd._rounded_de(w_mat, c, w, b, targets, de, torch.empty(k, d, device=device) if tmp else None)
+    one_pass_module._rounded_de(w_mat, c, w, b, targets, de, torch.empty(k, d, device=device) if tmp else None)
     assert rel_err(de.double(), want) < (3e-3 if device.type == "cuda" else 6e-3)
     assert torch.equal(buf, before) == (v < 2 * d or tmp)
 

@@ -420,7 +420,7 @@ def _ranks_agree(out, sequence_parallel: bool, group):
 
 
 def _numerics_worker(rank, world, report, layout_names, device_type, impls):
-    from cce_parallel.ops import autograd
+    from cce_parallel.ops import upstream as ops_upstream
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     group = dist.group.WORLD
@@ -443,9 +443,9 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
             local, rows = local_view(inputs, layout, rank, world)
             # A mask not folded: as in a process that has seen one (the first call's recompute is
             # the device's), so that the correction on the masked rows runs, on every rank alike.
-            learned = autograd.per_token_weights_seen, autograd.masked_weights_seen
+            learned = ops_upstream.per_token_weights_seen, ops_upstream.masked_weights_seen
             if case.masked:
-                autograd.per_token_weights_seen, autograd.masked_weights_seen = False, True
+                ops_upstream.per_token_weights_seen, ops_upstream.masked_weights_seen = False, True
             expected = expected_shard(ref, layout, rank, world, rows)
             for name, impl in checks:
                 report.started(name)
@@ -471,7 +471,7 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
                     except Exception as exc:  # noqa: BLE001
                         fail = fail or "rerun: " + _describe(exc)
                 report.result(name, {"fail": fail, "errs": errs})
-            autograd.per_token_weights_seen, autograd.masked_weights_seen = learned
+            ops_upstream.per_token_weights_seen, ops_upstream.masked_weights_seen = learned
         report.result(f"seconds/{layout_name}", time.perf_counter() - began)
 
 
@@ -766,14 +766,14 @@ BAD_CASES = {
 
 
 def _bad_targets_worker(rank, world, report, names, device_type):
-    from cce_parallel.ops import autograd
+    from cce_parallel.ops import autograd, common
 
     paths = []
     one_pass, local_stats = autograd.one_pass, autograd.local_stats
 
     def spy_one_pass(e, *args, **kwargs):
-        cfg = next(a for a in args if isinstance(a, autograd.LossConfig))
-        fused = autograd.fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing)
+        cfg = next(a for a in args if isinstance(a, common.LossConfig))
+        fused = common.fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing)
         paths.append("one-pass" if fused else "two-pass variant")
         return one_pass(e, *args, **kwargs)
 
@@ -872,7 +872,7 @@ def test_group_usable_after_bad_targets():
 def test_bad_target_counts_are_exact_over_ranks():
     """Each rank's count of bad targets travels as two fp32 numbers below 2^24 in its own slots:
     summed over ranks, every rank reads every count exactly, also past fp32's 2^24."""
-    from cce_parallel.ops.autograd import Collectives, _BadTargets
+    from cce_parallel.ops.common import Collectives, _BadTargets
 
     world = 3
     counts = [0, 2**40 + 2**24 + 3, 2**24 - 1]
