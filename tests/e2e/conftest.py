@@ -39,10 +39,10 @@ def train_command(overrides, *, nproc: int | None = 2, recipe: str | None = None
     return cmd + ["--set", *overrides]
 
 
-def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=None, check=True):
+def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=None, check=True, recipe=None):
     start = time.monotonic()
     done = subprocess.run(
-        train_command(overrides, nproc=nproc), cwd=ROOT, env=env or train_env(), capture_output=True, text=True,
+        train_command(overrides, nproc=nproc, recipe=recipe), cwd=ROOT, env=env or train_env(), capture_output=True, text=True,
         timeout=timeout, check=False,
     )
     done.seconds = time.monotonic() - start

@@ -51,8 +51,9 @@ def _export(*args):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _hf_loss(hf_dir, run_dir, which: str, first_sample: int) -> float:
-    """transformers' loss on the run's batches (the trainer's: loss_mask-weighted mean)."""
+def _hf_loss(hf_dir, run_dir, which: str, first_sample: int, *, device="cpu", dtype=torch.float32) -> float:
+    """transformers' loss on the run's global batch at first_sample (the trainer's: the
+    loss_mask-weighted mean), computed on device in dtype."""
     import yaml
     from transformers import AutoModelForCausalLM
 
@@ -63,8 +64,8 @@ def _hf_loss(hf_dir, run_dir, which: str, first_sample: int) -> float:
 
     recipe = recipe_from_dict(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
     info = load_dataset_info(recipe.data.dir)
-    train, valid = build_batches(recipe, info, load_tokenizer(info), dp_rank=0, dp_size=1, device="cpu")
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    train, valid = build_batches(recipe, info, load_tokenizer(info), dp_rank=0, dp_size=1, device=device)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=dtype).eval().to(device)
     total = count = 0.0
     with torch.no_grad():
         for batch in (valid if which == "valid" else train).microbatches(first_sample):
