@@ -16,7 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from cce_parallel.config.schema import SECTIONS, Recipe, RecipeError
+from cce_parallel.config.schema import SECTIONS, Recipe
+from cce_parallel.config.section import RecipeError
 
 
 class _Loader(yaml.SafeLoader):

@@ -50,7 +50,7 @@ def read_checkpoint(path) -> tuple[dict, object, dict]:
     import torch.distributed.checkpoint as dcp
 
     from cce_parallel.config import recipe_from_dict
-    from cce_parallel.train.checkpoint import _SafeReader, _TensorsOnly, verify
+    from cce_parallel.train.checkpoint_files import _SafeReader, _TensorsOnly, verify
 
     path = resolve_checkpoint(path)
     meta = verify(path)

@@ -42,7 +42,7 @@ def _flip_bit(file: Path, offset: int):
 
 
 def test_checkpoint_holds_tensors_and_small_json(two_checkpoints):
-    from cce_parallel.train import checkpoint
+    from cce_parallel.train import checkpoint, checkpoint_files
 
     run_dir, _ = two_checkpoints
     path = run_dir / "checkpoints" / "step_0000004"
@@ -54,7 +54,7 @@ def test_checkpoint_holds_tensors_and_small_json(two_checkpoints):
         assert name.endswith((".json", ".distcp")) or name == ".metadata", name
         if name.endswith(".json") and name != "meta.json":
             assert (path / name).stat().st_size < 64 << 10, name  # structure and plain values, no tensor data
-    metadata = checkpoint._SafeReader(path).read_metadata()
+    metadata = checkpoint_files._SafeReader(path).read_metadata()
     kinds = {type(md).__name__ for md in metadata.state_dict_metadata.values()}
     assert kinds == {"TensorStorageMetadata"}  # nothing DCP would unpickle on load
     assert any(key.startswith("tp1_pp0/optim/0/state_dict/") for key in metadata.state_dict_metadata)
@@ -63,22 +63,22 @@ def test_checkpoint_holds_tensors_and_small_json(two_checkpoints):
 def test_encoded_state_keeps_tensor_data_out_of_json():
     """A state as large as a 2.5B-parameter model's Adam moments (meta tensors: no memory)
     encodes to a few hundred bytes of JSON; anything not plain data is refused."""
-    from cce_parallel.train import checkpoint
+    from cce_parallel.train import checkpoint_state
 
     n = 2_500_000_000
     state = {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.empty(n, device="meta"),
                            "exp_avg_sq": torch.empty(n, device="meta")}},
              "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0], "exp_avg_dtype": torch.bfloat16}]}
     tensors = {}
-    doc = checkpoint._encode([{"state_dict": state, "main_params": [torch.empty(n, device="meta")]}], "x", tensors)
+    doc = checkpoint_state._encode([{"state_dict": state, "main_params": [torch.empty(n, device="meta")]}], "x", tensors)
     assert len(json.dumps(doc)) < 1000
     assert sorted(tensors) == ["x/0/main_params/0", "x/0/state_dict/state/0/exp_avg",
                                "x/0/state_dict/state/0/exp_avg_sq", "x/0/state_dict/state/0/step"]
-    back = checkpoint._decode(json.loads(json.dumps(doc)), tensors)
+    back = checkpoint_state._decode(json.loads(json.dumps(doc)), tensors)
     assert back[0]["state_dict"]["param_groups"] == state["param_groups"]
     assert back[0]["state_dict"]["state"][0]["exp_avg"] is tensors["x/0/state_dict/state/0/exp_avg"]
     with pytest.raises(TypeError, match="x/k: a object cannot go into a checkpoint"):
-        checkpoint._encode({"k": object()}, "x", {})
+        checkpoint_state._encode({"k": object()}, "x", {})
 
 
 def test_megatron_fsdp_checkpoints_resume_under_megatron_fsdp_only(two_checkpoints):
@@ -103,18 +103,18 @@ def test_empty_shards_and_dtensors_encode():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from cce_parallel.train import checkpoint
+    from cce_parallel.train import checkpoint_state
 
     tensors = {}
-    doc = checkpoint._encode({"w": torch.empty(0, 8, dtype=torch.bfloat16), "m": torch.ones(3)}, "x", tensors)
+    doc = checkpoint_state._encode({"w": torch.empty(0, 8, dtype=torch.bfloat16), "m": torch.ones(3)}, "x", tensors)
     assert sorted(tensors) == ["x/m"]
-    back = checkpoint._decode(json.loads(json.dumps(doc)), tensors)
+    back = checkpoint_state._decode(json.loads(json.dumps(doc)), tensors)
     assert back["w"].shape == (0, 8) and back["w"].dtype == torch.bfloat16
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         full = torch.arange(12.0).reshape(4, 3)
         d = distribute_tensor(full, init_device_mesh("cpu", (1,)), [Shard(0)])
-        local = checkpoint._local({"s": [d, 5]})
+        local = checkpoint_state._local({"s": [d, 5]})
         assert type(local["s"][0]) is torch.Tensor and local["s"][1] == 5
         assert local["s"][0].data_ptr() == d.to_local().data_ptr()
     finally:
@@ -170,7 +170,7 @@ def test_verify_names_the_damaged_file(two_checkpoints, tmp_path, damage):
 
 
 def test_metadata_unpickler_refuses_code(two_checkpoints, tmp_path):
-    from cce_parallel.train import checkpoint
+    from cce_parallel.train import checkpoint, checkpoint_files
 
     run_dir, _ = two_checkpoints
     path = tmp_path / "step_0000004"
@@ -182,7 +182,7 @@ def test_metadata_unpickler_refuses_code(two_checkpoints, tmp_path):
 
     (path / ".metadata").write_bytes(pickle.dumps(Exploit()))
     with pytest.raises(checkpoint.CheckpointError, match="posix.system is not allowed"):
-        checkpoint._SafeReader(path).read_metadata()
+        checkpoint_files._SafeReader(path).read_metadata()
     assert not (tmp_path / "pwned").exists()
 
 

@@ -1,0 +1,264 @@
+"""What a checkpoint holds of the engine, as tensors + JSON: ``_state_to_save`` gives this rank's
+tensors (for DCP) and its JSON documents (everything else, each tensor replaced by its DCP key,
+dtype and shape); ``_encode``, ``_decode`` and ``_templates`` map state to and from that pair; the
+rest reads and restores the model, optimizer (DDP, FSDP2, Megatron-FSDP, distributed optimizer)
+and RNG states. No files and no collectives: checkpoint_writer.py writes, checkpoint.py loads.
+"""
+
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch.distributed.tensor import DTensor
+
+from cce_parallel.train.checkpoint_files import CheckpointError
+from cce_parallel.train.engine import inner_optimizers
+
+# -- state <-> tensors + JSON -----------------------------------------------------------------
+
+
+def _encode(obj, key: str, tensors: dict):
+    """obj as JSON data; its tensors (and numpy arrays) go into tensors under keys below key."""
+    if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.numel() == 0:
+        # Nothing to store (Megatron-FSDP leaves some ranks empty shards of a parameter).
+        return {"empty": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach()
+        return {"tensor": key, "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
+    if isinstance(obj, np.ndarray):
+        # torch has no full support for wide unsigned integers (numpy's RNG state is uint32).
+        wide_unsigned = obj.dtype.kind == "u" and obj.dtype.itemsize > 1
+        data = torch.from_numpy(np.ascontiguousarray(obj.astype(np.int64) if wide_unsigned else obj))
+        return {"ndarray": _encode(data, key, tensors), "dtype": obj.dtype.str}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.dtype):  # e.g. Transformer Engine's FusedAdam keeps its state dtypes
+        return {"torch_dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, list):
+        return [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {"tuple": [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, dict) and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj):
+        return {"dict": [[k, _encode(v, f"{key}/{k}", tensors)] for k, v in obj.items()]}
+    raise TypeError(f"{key}: a {type(obj).__name__} cannot go into a checkpoint (tensors and plain data only)")
+
+
+def _decode(doc, tensors: dict):
+    if isinstance(doc, list):
+        return [_decode(v, tensors) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    if "tensor" in doc:
+        return tensors[doc["tensor"]]
+    if "empty" in doc:
+        return torch.empty(doc["shape"], dtype=_dtype(doc["empty"]))
+    if "ndarray" in doc:
+        return _decode(doc["ndarray"], tensors).numpy().astype(np.dtype(doc["dtype"]))
+    if "tuple" in doc:
+        return tuple(_decode(v, tensors) for v in doc["tuple"])
+    if "torch_dtype" in doc:
+        return _dtype(doc["torch_dtype"])
+    return {k: _decode(v, tensors) for k, v in doc["dict"]}
+
+
+def _templates(doc, out: dict) -> dict:
+    """Empty tensors for the tensor entries of doc that out lacks, to load into (DCP loads in place)."""
+    if isinstance(doc, list):
+        for v in doc:
+            _templates(v, out)
+    elif isinstance(doc, dict):
+        if "tensor" in doc:
+            if doc["tensor"] not in out:
+                out[doc["tensor"]] = torch.empty(doc["shape"], dtype=_dtype(doc["dtype"]))
+        else:
+            for v in doc.values():
+                _templates(v, out)
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in a checkpoint")
+    return dtype
+
+
+def _json_name(key: str) -> str:
+    return key.replace("/", ".") + ".json"
+
+
+# -- the engine's state ------------------------------------------------------------------------
+
+
+def _coords():
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+
+
+def _rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _is_distributed_optimizer(optimizer) -> bool:
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(type(m).__name__ == "DistributedOptimizer" for m in members)
+
+
+def _optimizer_state(optimizer, fsdp: str = "none") -> list[dict]:
+    """What the checkpoint holds of the optimizer: its torch optimizers' state dicts and main
+    weights; under Megatron-FSDP (fsdp="megatron") this rank's shards of them, as plain tensors."""
+    state = [
+        {"state_dict": inner.state_dict(),
+         "main_params": [p.detach() for group in inner.param_groups for p in group["params"]]}
+        for inner in inner_optimizers(optimizer)
+    ]
+    return _local(state) if fsdp == "megatron" else state
+
+
+def _load_optimizer_state(optimizer, saved: list[dict], *, loaded_in_place: bool = False):
+    """Restore the saved optimizer state. loaded_in_place (Megatron-FSDP): DCP has already loaded
+    every tensor into this rank's shards; only the param groups' hyperparameters and non-tensor
+    state remain (load_state_dict would replace the DTensor states by the plain shards)."""
+    inners = inner_optimizers(optimizer)
+    if len(inners) != len(saved):
+        raise ValueError(f"the checkpoint holds {len(saved)} optimizers, this run has {len(inners)}")
+    for inner, item in zip(inners, saved):
+        if loaded_in_place:
+            _restore_untensored(inner, item["state_dict"])
+            continue
+        inner.load_state_dict(item["state_dict"])
+        params = [p for group in inner.param_groups for p in group["params"]]
+        for param, value in zip(params, item["main_params"], strict=True):
+            param.copy_(value)
+
+
+def _fsdp(engine) -> str:
+    """How the model is sharded: "torch" (FSDP2: the parameters and optimizer state are DTensor
+    shards), "megatron" (Megatron-FSDP: likewise, in buffers of its own) or "none"."""
+    from megatron.core.distributed import TorchFullyShardedDataParallel
+
+    for chunk in engine.model:
+        if isinstance(chunk, TorchFullyShardedDataParallel):
+            return "torch"
+        if getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False):
+            return "megatron"
+    return "none"
+
+
+def _local(obj):
+    """obj with every DTensor replaced by this rank's shard (a view of it)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return obj
+
+
+def _restore_untensored(inner, saved_dict: dict):
+    """The param groups' hyperparameters and the non-tensor state of a torch optimizer."""
+    for group, saved_group in zip(inner.param_groups, saved_dict["param_groups"], strict=True):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    params = [p for group in inner.param_groups for p in group["params"]]
+    for index, entries in saved_dict["state"].items():
+        plain = {k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)}
+        inner.state[params[int(index)]].update(plain)
+
+
+def _init_optimizer_state(optimizer, *, skip_empty: bool = False):
+    """Create the state of optimizers that have taken no step yet (zero gradients, lr 0; Adam's
+    moments and step are then overwritten by the checkpoint), so that under FSDP their DTensor
+    shards exist for DCP to load into. skip_empty: not for parameters whose shard on this rank is
+    empty (Megatron-FSDP gives them no gradient, so training gives them no state)."""
+    for inner in inner_optimizers(optimizer):
+        if inner.state:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if skip_empty:
+            params = [p for p in params if _local(p).numel() > 0]
+        lrs = [group["lr"] for group in inner.param_groups]
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        for group in inner.param_groups:
+            group["lr"] = 0.0
+        inner.step()
+        for group, lr in zip(inner.param_groups, lrs):
+            group["lr"] = lr
+        for param in params:
+            param.grad = None
+
+
+def _optim_key(optimizer, tp: int, pp: int, rank: int) -> str:
+    return f"rank{rank}/optim" if _is_distributed_optimizer(optimizer) else f"tp{tp}_pp{pp}/optim"
+
+
+def _model_state(engine, tp: int, pp: int) -> dict:
+    state = {}
+    for i, chunk in enumerate(engine.model):
+        for name, value in _unwrap(chunk).state_dict().items():
+            if isinstance(value, torch.Tensor):
+                state[f"tp{tp}_pp{pp}/model/{i}/{name}"] = value
+            elif value is not None:  # megatron's local layers have _extra_state None: nothing to save
+                raise TypeError(f"model state {name}: a {type(value).__name__}; checkpoints hold tensors only")
+    return state
+
+
+def _state_to_save(engine) -> tuple[dict, dict]:
+    """(tensors for DCP, {key: JSON document}) of this rank's share of the state."""
+    rank = dist.get_rank()
+    tp, pp, dp = _coords()
+    tensors, docs = {}, {}
+    docs[f"rank{rank}/rng"] = _encode(_rng_state(), f"rank{rank}/rng", tensors)
+    # Every data-parallel rank offers its replica of the model under the same keys: DCP writes each
+    # such tensor once, the writes spread over those ranks. A replicated optimizer (no distributed
+    # optimizer) comes from data-parallel rank 0 alone: offered by every rank, its 12 bytes per
+    # parameter would be staged in host memory on every rank. Under FSDP2 every data-parallel rank
+    # holds a shard of each tensor (DTensors: DCP writes each shard under the shared key), and
+    # data-parallel rank 0 writes the JSON, which records the full shapes. Under Megatron-FSDP every
+    # rank writes its own optimizer shards (main weights included) as plain tensors; the model's
+    # bf16 weights are copies of those main weights, rebuilt on load.
+    fsdp = _fsdp(engine)
+    sharded = fsdp == "torch"
+    if fsdp != "megatron":
+        tensors.update(_model_state(engine, tp, pp))
+    if dp == 0 or sharded or _is_distributed_optimizer(engine.optimizer):
+        key = _optim_key(engine.optimizer, tp, pp, rank)
+        doc = _encode(_optimizer_state(engine.optimizer, fsdp), key, tensors)
+        if dp == 0 or not sharded:
+            docs[key] = doc
+    return tensors, docs
+
+
+def _unwrap(chunk):
+    """The module under megatron's DDP / the CPU LocalDDP (Float16Module stays: its state dict
+    is the GPTModel's, under the prefix ``module.``)."""
+    return chunk.module
