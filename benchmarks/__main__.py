@@ -1,18 +1,13 @@
-"""The speed comparisons, one CLI: ``python -m benchmarks {loss,tp,sweep,render} [options]``.
+"""The benchmarks, one CLI: ``python -m benchmarks {loss,tp,sweep,render,baseline} [options]``.
 
-    loss    one GPU: loss + gradients of every peer side by side (options: ``loss --help``)
-    tp      tensor parallelism on every visible GPU against Megatron's output path: one torchrun
-            launch per TP size (a fresh process each, so Megatron's global state, the allocator and
-            a crash or hang at one size cannot touch the others), then one merged report
-            (options: ``tp --help``, plus ``--sizes 1,2,4`` and ``--launch-timeout S``)
-    sweep   the train job at growing sequence lengths / micro-batches, per loss.impl, up to the
-            first that does not fit (benchmarks/train_sweep.py; options: ``sweep --help``)
-    render  no GPU: merge result files (both kinds) and rewrite their .md (and .png)
+    loss     one GPU: loss + gradients of every peer side by side (``loss --help``)
+    tp       TP on every visible GPU against Megatron's output path: one torchrun launch of
+             bench_tp.py per TP size (``--sizes 1,2,4``, ``--launch-timeout S``), then one merged report
+    sweep    the train job at growing sequence lengths / micro-batches per loss.impl (train_sweep.py)
+    render   no GPU: merge result files of one kind and rewrite their .md (and .png); with
+             ``--docs [--check]``, rewrite (or check) the generated blocks of README.md and docs/*.md
     baseline REF DIR   write cce_parallel as it is at git REF to DIR/cce_parallel_<sha>, for
-            ``loss --baseline DIR/cce_parallel_<sha> --methods ours:...,base:...`` (an A/B in one
-            process, on a machine without the repository's history)
-
-Results go to ``benchmarks/results/<gpu>_<yyyymmdd>[_tp][_<tag>].{json,md,png}`` (or ``--out``).
+             ``loss --baseline DIR/cce_parallel_<sha> --methods ours:...,base:...``
 """
 
 from __future__ import annotations
@@ -28,9 +23,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
-import _common as C  # noqa: E402
-import bench_loss  # noqa: E402
-import bench_tp  # noqa: E402
+import _common as C
+import bench_loss
+import bench_tp
 
 
 def run_tp(argv: list[str]) -> int:
@@ -52,17 +47,17 @@ def run_tp(argv: list[str]) -> int:
         own.nproc = torch.cuda.device_count()
         if own.nproc == 0:
             raise SystemExit("tp: no GPU visible; pass --nproc N with --cpu-smoke to test the plumbing on gloo")
-    out = Path(own.out) if own.out else HERE / "results"
+    out = Path(own.out) if own.out else C.RESULTS
     out.mkdir(parents=True, exist_ok=True)
     part = f"{own.tag}-part" if own.tag else "part"
     rc = 0
     for t in C.csv_list(own.sizes):
-        tag = f"{part}-tp{t}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={own.nproc}",
-               str(HERE / "bench_tp.py"), "--tp", t, "--out", str(out), "--tag", tag, *rest]
+               str(HERE / "bench_tp.py"), "--tp", t, "--out", str(out), "--tag", f"{part}-tp{t}", *rest]
         print(f"=== TP={t} on {own.nproc} ranks: {' '.join(cmd[2:])}", flush=True)
         try:
-            status = subprocess.run(cmd, timeout=own.launch_timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+            status = subprocess.run(cmd, timeout=own.launch_timeout, check=False,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
         except subprocess.TimeoutExpired:
             status = 124
         if status:
@@ -72,19 +67,30 @@ def run_tp(argv: list[str]) -> int:
     if not parts:
         print(f"tp: no results to merge in {out}", file=sys.stderr)
         return rc or 1
-    merged = render([str(f) for f in parts], out=str(out), tag=own.tag)
+    merged = bench_tp.render([str(f) for f in parts], str(out), own.tag)
     for f in parts:  # the merged report replaces the per-launch ones; their .json are its sources
         f.with_suffix(".md").unlink(missing_ok=True)
     return rc or merged
 
 
-def render(files: list[str], *, out: str | None, tag: str | None) -> int:
-    kinds = {"tp" if "tp_sizes" in json.loads(Path(f).read_text())["meta"] else "loss" for f in files}
+def render(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks render")
+    p.add_argument("files", nargs="*", help="result JSONs of one kind (loss or tp) to merge")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default=None)
+    p.add_argument("--docs", action="store_true", help="rewrite the generated blocks of README.md and docs/*.md")
+    p.add_argument("--check", action="store_true", help="with --docs: change nothing, fail where a block differs")
+    a = p.parse_args(argv)
+    if a.docs:
+        import render_docs
+
+        return render_docs.main(check=a.check)
+    if not a.files:
+        p.error("pass result files, or --docs")
+    kinds = {"tp" if "tp_sizes" in json.loads(Path(f).read_text())["meta"] else "loss" for f in a.files}
     if len(kinds) != 1:
         raise SystemExit("render: pass result files of one kind (loss or tp) at a time")
-    extra = (["--out", out] if out else []) + (["--tag", tag] if tag else [])
-    module = bench_tp if kinds == {"tp"} else bench_loss
-    return module.main(["--render", *files, *extra])
+    return (bench_tp if kinds == {"tp"} else bench_loss).render(a.files, a.out, a.tag)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,12 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_sweep.main(rest)
     if command == "render":
-        p = argparse.ArgumentParser(prog="python -m benchmarks render")
-        p.add_argument("files", nargs="+")
-        p.add_argument("--out", default=None)
-        p.add_argument("--tag", default=None)
-        a = p.parse_args(rest)
-        return render(a.files, out=a.out, tag=a.tag)
+        return render(rest)
     if command == "baseline":
         p = argparse.ArgumentParser(prog="python -m benchmarks baseline")
         p.add_argument("ref", help="a git ref of this checkout")

@@ -1,15 +1,9 @@
-"""Helpers shared by the benchmark scripts: shapes, inputs, timing, memory, references, metadata.
+"""The harness every benchmark shares: shapes, inputs, timing, memory, references, metadata, output.
 
-Nothing here imports cce_parallel or any peer library, and nothing queries CUDA at import time,
-so the scripts import (and ``--help`` works) on a machine without a GPU.
-
-Conventions used by every script:
-- Times are milliseconds, the median over repeats, measured with CUDA events on a GPU
-  (``time.perf_counter`` around a synchronous call on the CPU).
-- Memory is the peak of ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` taken just
-  before the call: what the call itself adds on top of its inputs (and anything else already alive).
-- FLOPs: 2·N·V·D for the forward (the logits matmul), 6·N·V·D for forward + backward
-  (logits, ∇E, ∇C; a method that recomputes the logits in the backward is not credited for it).
+Nothing here imports cce_parallel or a peer, and nothing queries CUDA at import time, so every
+script imports (and ``--help`` works) without a GPU. Conventions (docs/performance.md): times in
+ms, CUDA events; memory is the peak of ``max_memory_allocated`` above ``memory_allocated`` just
+before the call; FLOPs 2·N·V·D forward, 6·N·V·D forward + backward.
 """
 
 from __future__ import annotations
@@ -33,11 +27,15 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+SMOKE_OUT = Path("/tmp/cce_parallel_bench_smoke")
 MiB = float(1 << 20)
-
-# Token count used for the model shapes unless --tokens says otherwise.
 DEFAULT_TOKENS = 8192
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class FatalCudaError(RuntimeError):
+    """The CUDA context is broken (illegal access, device assert): nothing more can run."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ class Shape:
         return f"{self.name} (N={self.N}, V={self.V}, D={self.D})"
 
 
-# (V, D) of the output heads of real models.
+# (V, D) of the output heads of real models; tiny odd ones for the CPU smoke mode.
 MODEL_SHAPES: dict[str, tuple[int, int]] = {
     "gemma2-2b": (256000, 2304),
     "gemma2-9b": (256000, 3584),
@@ -66,49 +64,39 @@ MODEL_SHAPES: dict[str, tuple[int, int]] = {
     "qwen2.5-7b": (152064, 3584),
     "phi3.5-mini": (32064, 3072),
 }
-
-# Tiny odd shapes for the CPU smoke mode (V not a multiple of any block size).
-SMOKE_SHAPES: dict[str, tuple[int, int]] = {
-    "tiny-a": (517, 48),
-    "tiny-b": (1000, 32),
-}
-
-_CUSTOM = re.compile(r"^(\d+)x(\d+)x(\d+)$")
+SMOKE_SHAPES: dict[str, tuple[int, int]] = {"tiny-a": (517, 48), "tiny-b": (1000, 32)}
 
 
 def parse_shape(item: str, tokens: int, table: dict[str, tuple[int, int]]) -> Shape:
     """A name from ``table`` (with ``tokens`` tokens) or a custom ``NxVxD``."""
-    m = _CUSTOM.match(item)
+    m = re.match(r"^(\d+)x(\d+)x(\d+)$", item)
     if m:
-        n, v, d = (int(g) for g in m.groups())
-        return Shape(item, n, v, d)
+        return Shape(item, *(int(g) for g in m.groups()))
     if item not in table:
         raise SystemExit(f"unknown shape {item!r}; known: {', '.join(table)} or NxVxD")
-    v, d = table[item]
-    return Shape(item, tokens, v, d)
+    return Shape(item, tokens, *table[item])
 
 
 def csv_list(text: str | None) -> list[str]:
-    if text is None:
-        return []
-    return [s.strip() for s in text.split(",") if s.strip()]
+    return [s.strip() for s in (text or "").split(",") if s.strip()]
+
+
+def check_regimes(regimes: list[str]) -> None:
+    for r in regimes:
+        if r not in REGIMES:
+            raise SystemExit(f"unknown regime {r!r}; known: {', '.join(REGIMES)}")
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs
+# Inputs (the regimes are described in docs/performance.md and benchmarks/README.md)
 # ----------------------------------------------------------------------------------------------
 
-# Init scale of the classifier weight: the usual std 0.02 of GPT-style inits.
-C_INIT_STD = 0.02
-# Softmax threshold whose mass we report (the bf16 gradient-filter epsilon of CCE).
-SOFTMAX_EPS = 2.0**-12
-# Trained regime: Zipf exponent of the token ids, plausible tokens per row, the exponent of their
-# probabilities and the mass left to the rest of the vocabulary.
+C_INIT_STD = 0.02  # GPT-style init of the classifier
+SOFTMAX_EPS = 2.0**-12  # CCE's bf16 gradient-filter epsilon, whose mass we report
 ZIPF_S = 1.1
 TRAINED_CANDIDATES = 50
 TRAINED_RANK_S = 1.0
 TRAINED_BACKGROUND = 0.05
-# Confident regime: the share of rows whose target gets this probability.
 CONFIDENT_SHARE = 0.5
 CONFIDENT_P = 0.99
 
@@ -136,48 +124,33 @@ REGIMES = {
 
 
 def _zipf_ids(shape, V: int, gen: torch.Generator, device) -> torch.Tensor:
-    ranks = torch.arange(1, V + 1, device=device, dtype=torch.float64)
-    probs = ranks.pow(-ZIPF_S)
+    probs = torch.arange(1, V + 1, device=device, dtype=torch.float64).pow(-ZIPF_S)
     probs = (probs / probs.sum()).float()
-    n = math.prod(shape)
-    return torch.multinomial(probs, n, replacement=True, generator=gen).view(shape)
+    return torch.multinomial(probs, math.prod(shape), replacement=True, generator=gen).view(shape)
 
 
 def _distinct_zipf_ids(N: int, K: int, V: int, gen: torch.Generator, device) -> torch.Tensor:
     """[N, K] ids, distinct within each row, Zipf-frequent (rows short of K distinct draws are
     completed with uniform ids, which are distinct from the rest with high probability)."""
-    draws = _zipf_ids((N, 4 * K), V, gen, device)
-    srt, _ = draws.sort(dim=1)
+    srt, _ = _zipf_ids((N, 4 * K), V, gen, device).sort(dim=1)
     dup = torch.zeros_like(srt, dtype=torch.bool)
     dup[:, 1:] = srt[:, 1:] == srt[:, :-1]
     filler = torch.randint(0, V, srt.shape, device=device, generator=gen)
     # Distinct ids first (in a random order), duplicates replaced by uniform ids after them.
     key = torch.rand(srt.shape, device=device, generator=gen) + dup.float()
-    order = key.argsort(dim=1)
-    ids = torch.where(dup, filler, srt).gather(1, order)[:, :K]
-    return ids
+    return torch.where(dup, filler, srt).gather(1, key.argsort(dim=1))[:, :K]
 
 
-def make_inputs(
-    shape: Shape,
-    regime: str,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cuda",
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return (e [N, D], c [V, D], targets [N] int64) for one regime, deterministically from ``seed``.
-
-    e and c are leaves in ``dtype`` without requires_grad; callers set it.
-    """
+def make_inputs(shape: Shape, regime: str, *, dtype=torch.bfloat16, device="cuda", seed: int = 0):
+    """(e [N, D], c [V, D], targets [N] int64) of one regime, deterministic in ``seed``; leaves
+    in ``dtype`` without requires_grad."""
     N, V, D = shape.N, shape.V, shape.D
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     c = (torch.randn(V, D, device=device, generator=gen) * C_INIT_STD).to(dtype)
     if regime == "random":
         e = torch.randn(N, D, device=device, generator=gen).to(dtype)
-        t = torch.randint(0, V, (N,), device=device, generator=gen)
-        return e, c, t
+        return e, c, torch.randint(0, V, (N,), device=device, generator=gen)
     if regime not in ("trained", "confident"):
         raise ValueError(f"unknown regime {regime!r}; known: {', '.join(REGIMES)}")
     K = min(TRAINED_CANDIDATES, V, D)
@@ -223,9 +196,7 @@ def _make_confident(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, step: int
 
 
 @torch.no_grad()
-def softmax_stats(
-    e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, *, rows: int = 1024, eps: float = SOFTMAX_EPS
-) -> dict:
+def softmax_stats(e, c, t, *, rows: int = 1024, eps: float = SOFTMAX_EPS) -> dict:
     """Softmax statistics in fp32 on an evenly spaced subsample of rows (the inputs upcast)."""
     N, V = e.shape[0], c.shape[0]
     idx = torch.linspace(0, N - 1, steps=min(rows, N), device=e.device).round().long().unique()
@@ -245,9 +216,7 @@ def softmax_stats(
         loss.append(lse.squeeze(1) - x.gather(1, tt[:, None]).squeeze(1))
         del x, p, lse
     del c32
-    p_t = torch.cat(p_t).double()
-    p_max = torch.cat(p_max).double()
-    loss = torch.cat(loss).double()
+    p_t, p_max, loss = (torch.cat(x).double() for x in (p_t, p_max, loss))
     n = idx.numel()
     return {
         "rows_sampled": n,
@@ -262,14 +231,9 @@ def softmax_stats(
 
 
 @torch.no_grad()
-def reference_loss_grads(
-    e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, *, chunk_bytes: int = 1 << 30
-) -> tuple[float, torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy loss and its fp32 gradients (∇E [N, D], ∇C [V, D]) from the inputs upcast.
-
-    Chunked over tokens so that only a [chunk, V] fp32 block of logits is alive. TF32 is switched
-    off for the duration, so the matmuls are true fp32.
-    """
+def reference_loss_grads(e, c, t, *, chunk_bytes: int = 1 << 30):
+    """Mean cross-entropy and its fp32 ∇E [N, D], ∇C [V, D] from the inputs upcast, chunked over
+    tokens ([chunk, V] fp32 logits alive), TF32 off."""
     N, V = e.shape[0], c.shape[0]
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -300,12 +264,10 @@ def reference_loss_grads(
 @torch.no_grad()
 def rel_err(x: torch.Tensor, ref: torch.Tensor, *, rows: int = 8192) -> float:
     """‖x − ref‖_F / ‖ref‖_F, in fp32 (fp64 accumulation), chunked over rows."""
-    num = 0.0
-    den = 0.0
+    num = den = 0.0
     for s in range(0, ref.shape[0], rows):
         r = ref[s : s + rows]
-        d = x[s : s + rows].float() - r
-        num += float(d.double().pow(2).sum())
+        num += float((x[s : s + rows].float() - r).double().pow(2).sum())
         den += float(r.double().pow(2).sum())
     return math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
 
@@ -324,14 +286,7 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(
-    fn: Callable[[], object],
-    *,
-    device,
-    warmup: int = 3,
-    repeats: int = 10,
-    setup: Callable[[], None] | None = None,
-) -> list[float]:
+def time_ms(fn: Callable[[], object], *, device, warmup=3, repeats=10, setup: Callable | None = None) -> list:
     """Per-repeat times of ``fn()`` in ms. ``setup()`` runs before each call, outside the timed region."""
     for _ in range(warmup):
         if setup is not None:
@@ -363,10 +318,10 @@ def time_ms(
 
 
 def balanced_orders(n: int, rounds: int) -> list:
-    """Orders of n keys (lists of 0 .. n-1) for `rounds` rounds: the rows of a Williams design in
-    turn. Its first row is 0, 1, n-1, 2, n-2, ..., the others add 1, 2, ... to it (mod n), and for
-    an odd n the reversed rows follow, so that over n (odd n: 2n) rows every key runs in every
-    position, and right after every other key, equally often."""
+    """Orders of n keys for `rounds` rounds: the rows of a Williams design in turn (first row 0, 1,
+    n-1, 2, n-2, ..., the others add 1, 2, ... mod n; for an odd n the reversed rows follow), so
+    that over n (odd n: 2n) rows every key runs in every position, and right after every other
+    key, equally often."""
     first, lo, hi = [0], 1, n - 1
     while len(first) < n:
         first.append(lo)
@@ -380,26 +335,15 @@ def balanced_orders(n: int, rounds: int) -> list:
     return [rows[r % len(rows)] for r in range(rounds)]
 
 
-def time_in_rounds(
-    calls: list, *, device, warmup: int, repeats: int, rounds: int, setup: Callable[[], None] | None = None
-) -> dict:
-    """Time several calls side by side: `rounds` rounds, each running every (key, fn) of `calls` in
-    turn (`warmup` untimed calls in the first round, one in the later ones), `repeats` timed calls
-    per key in all. A clock that drifts (a card heating up) then weighs on every key alike. The
-    rounds' orders are the rows of a Williams design (balanced_orders): over as many rounds as
-    there are keys (twice that for an odd number), every key runs in every position, and right
-    after every other key, equally often. What ran just before, e.g. a slow peer that leaves the
-    clocks or the allocator's cache in another state, then weighs on every key alike too (seeded
-    shuffles left some keys behind the same neighbour in most rounds: two keys running the same
-    kernels measured 2-5 % apart in one run).
-
-    Returns {key: (times in ms, the exception that stopped the key or None)}; a key that failed is
-    not run again, and a fatal CUDA error stops everything.
-    """
+def time_in_rounds(calls: list, *, device, warmup: int, repeats: int, rounds: int, setup=None) -> dict:
+    """Time the (key, fn) `calls` side by side in `rounds` rounds, each running every key in turn
+    (`warmup` untimed calls in the first round, one in later ones), `repeats` timed calls per key
+    in all, the rounds' orders from balanced_orders: a drifting clock, or what ran just before,
+    then weighs on every key alike. Returns {key: (times in ms, the exception that stopped it or
+    None)}; a failed key is not run again, a fatal CUDA error stops everything."""
     out = {key: ([], None) for key, _ in calls}
     for i, (n, rows) in enumerate(zip(round_sizes(repeats, rounds), balanced_orders(len(calls), rounds))):
-        order = [calls[j] for j in rows]
-        for key, fn in order:
+        for key, fn in [calls[j] for j in rows]:
             times, failed = out[key]
             if failed is not None:
                 continue
@@ -422,8 +366,7 @@ def round_sizes(repeats: int, rounds: int) -> list:
 
 def paired_ratio(times: list, ref_times: list, sizes: list):
     """The median over rounds of (median of `times` in the round / median of `ref_times` in it),
-    both laid out in rounds of `sizes` calls (time_in_rounds): a clock that drifts between rounds
-    moves both medians of a round alike and leaves the ratio. None unless both have every call."""
+    both laid out in rounds of `sizes` calls; None unless both have every call."""
     if len(times) != sum(sizes) or len(ref_times) != sum(sizes) or not sizes:
         return None
     ratios, start = [], 0
@@ -435,21 +378,13 @@ def paired_ratio(times: list, ref_times: list, sizes: list):
 
 
 def summarize_times(times: list[float]) -> dict:
-    return {
-        "median_ms": statistics.median(times),
-        "min_ms": min(times),
-        "max_ms": max(times),
-        "n": len(times),
-        "times_ms": [round(t, 4) for t in times],  # in the order taken (rounds, for time_in_rounds)
-    }
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": len(times),
+            "times_ms": [round(t, 4) for t in times]}  # in the order taken (rounds, for time_in_rounds)
 
 
 def peak_bytes(fn: Callable[[], object], *, device) -> int | None:
-    """Peak allocated bytes above what was allocated before ``fn()``; None off CUDA.
-
-    ``fn`` should return what must stay alive until the peak is read (e.g. the loss); it is
-    dropped afterwards.
-    """
+    """Peak allocated bytes above what was allocated before ``fn()`` (None off CUDA); what ``fn``
+    returns stays alive until the peak is read."""
     if not is_cuda(device):
         fn()
         return None
@@ -477,26 +412,22 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-_FATAL = (
-    "illegal memory access",
-    "device-side assert",
-    "unspecified launch failure",
-    "misaligned address",
-    "illegal instruction",
-    "uncorrectable ecc",
-    "cuda error: an illegal",
-)
+_FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
+          "illegal instruction", "uncorrectable ecc", "cuda error: an illegal")
 
 
 def is_fatal_cuda_error(exc: BaseException) -> bool:
     """Errors after which the CUDA context is unusable, so the run must stop."""
-    msg = str(exc).lower()
-    return any(k in msg for k in _FATAL)
+    return any(k in str(exc).lower() for k in _FATAL)
 
 
 def short_error(exc: BaseException, limit: int = 300) -> str:
     msg = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def failure(exc: BaseException, stage: str) -> dict:
+    return {"status": "oom" if is_oom(exc) else "error", "stage": stage, "error": short_error(exc)}
 
 
 @torch.no_grad()
@@ -507,21 +438,14 @@ def matmul_ms(shape: Shape, *, device, dtype=torch.bfloat16, warmup=3, repeats=1
     a = torch.randn(shape.N, shape.D, device=device, generator=gen).to(dtype)
     b = (torch.randn(shape.V, shape.D, device=device, generator=gen) * C_INIT_STD).to(dtype)
     out = torch.empty(shape.N, shape.V, device=device, dtype=dtype)
-    times = time_ms(lambda: torch.mm(a, b.T, out=out), device=device, warmup=warmup, repeats=repeats)
-    med = statistics.median(times)
-    flops = 2.0 * shape.N * shape.V * shape.D
-    return {"ms": med, "tflops": flops / (med * 1e-3) / 1e12}
+    med = statistics.median(time_ms(lambda: torch.mm(a, b.T, out=out), device=device, warmup=warmup,
+                                    repeats=repeats))
+    return {"ms": med, "tflops": 2.0 * shape.N * shape.V * shape.D / (med * 1e-3) / 1e12}
 
 
 # ----------------------------------------------------------------------------------------------
 # Metadata and output
 # ----------------------------------------------------------------------------------------------
-
-
-def device_name(device) -> str:
-    if is_cuda(device):
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()})"
 
 
 def gpu_slug(name: str) -> str:
@@ -535,28 +459,15 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "unknown"
 
 
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=False)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
 def git_commit() -> str:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        sha = out.stdout.strip()
-        if out.returncode != 0 or not sha:
-            return "unknown"
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        return sha + ("-dirty" if dirty.stdout.strip() else "")
+        sha = _git("rev-parse", "HEAD")
+        return sha + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "") if sha else "unknown"
     except Exception:  # noqa: BLE001 - no git, not a repo: say "unknown"
         return "unknown"
 
@@ -577,7 +488,8 @@ def run_metadata(device, commit: str | None = None) -> dict:
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001
         triton_version = None
-    name = device_name(device)
+    name = torch.cuda.get_device_name(device) if is_cuda(device) else (
+        f"CPU ({platform.processor() or platform.machine()})")
     return {
         "device": name,
         "gpu": gpu_slug(name),
@@ -594,9 +506,7 @@ def run_metadata(device, commit: str | None = None) -> dict:
 
 
 def out_stem(out_dir: Path, meta: dict, tag: str | None) -> Path:
-    day = meta["date"][:10].replace("-", "")
-    stem = f"{meta['gpu']}_{day}" + (f"_{tag}" if tag else "")
-    return Path(out_dir) / stem
+    return Path(out_dir) / (f"{meta['gpu']}_{meta['date'][:10].replace('-', '')}" + (f"_{tag}" if tag else ""))
 
 
 def _clean(o):
@@ -607,9 +517,7 @@ def _clean(o):
         return {str(k): _clean(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
         return [_clean(v) for v in o]
-    if isinstance(o, (torch.dtype, Path)):
-        return str(o)
-    return o
+    return str(o) if isinstance(o, (torch.dtype, Path)) else o
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -629,6 +537,24 @@ def as_float(x):
     return x
 
 
+def get(r, *path):
+    """r[path[0]][path[1]]... as a float, None where any step is missing."""
+    for p in path:
+        if not isinstance(r, dict):
+            return None
+        r = r.get(p)
+    return as_float(r)
+
+
+def method_order(cases: list[dict]) -> list[tuple[str, str]]:
+    """(key, label) of every method in the cases, in the order first seen."""
+    seen: dict[str, str] = {}
+    for cs in cases:
+        for k, r in cs["methods"].items():
+            seen.setdefault(k, r.get("label", k))
+    return list(seen.items())
+
+
 def fmt_num(x, spec: str = ".1f", missing: str = "–") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return missing
@@ -639,15 +565,15 @@ def fmt_mib(b, missing: str = "–") -> str:
     if b is None:
         return missing
     mib = b / MiB
-    if mib < 10:
-        return f"{mib:.1f}"
-    return f"{mib:,.0f}"
+    return f"{mib:.1f}" if mib < 10 else f"{mib:,.0f}"
 
 
 def fmt_err(x, missing: str = "–") -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return missing
-    return f"{x:.1e}"
+    return fmt_num(x, ".1e", missing)
+
+
+def load_results(files: list[str]) -> list[dict]:
+    return [json.loads(Path(f).read_text()) for f in files]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -703,10 +629,8 @@ def import_baseline(spec: str):
 
 
 def parse_ours(key: str) -> tuple[str, str | None, object]:
-    """Split a method key ``ours[:<impl>[@<budget>]]`` into (impl or "", budget text, logits_budget).
-
-    The budget is "lean", "auto", bytes, or <n>g / <n>m (GiB / MiB); without one, "auto".
-    """
+    """Split ``ours[:<impl>[@<budget>]]`` into (impl or "", budget text, logits_budget): "lean",
+    "auto" (the default), bytes, or <n>g / <n>m."""
     spec = key.split(":", 1)[1] if ":" in key else ""
     impl, _, text = spec.partition("@")
     if not text or text in ("lean", "auto"):

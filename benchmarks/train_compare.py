@@ -1,20 +1,11 @@
 """How does CCE's loss layer compare with megatron-core's in a real pretraining run?
 
-Reads the metrics.jsonl of runs of the same recipe that differ in loss.impl (written by
-``python -m cce_parallel.train``; see run_train_compare.sh: CCE, megatron-core's unfused loss
-``megatron`` and its fused one ``megatron_fused``, labelled with the fusion it ran, native or
-te) and writes
-``OUT/train_compare_<gpu>_<yyyymmdd>[_<tag>].{json,md,png}``: the loss curves (train and
-validation), tokens/s, MFU and peak memory per rank, with the device, commit, date and command.
+Reads the metrics.jsonl of runs of one recipe that differ in loss.impl (run_train_compare.sh) and
+writes ``OUT/train_compare_<gpu>_<yyyymmdd>[_<tag>].{json,md,png}``: loss curves, tokens/s (median
+after --warmup steps), MFU and peak memory per rank; the first run is the one the others are
+compared with.
 
-    python benchmarks/train_compare.py --runs OUT/gpt2-small-cce_kahan_full_c OUT/gpt2-small-megatron \
-        OUT/gpt2-small-megatron_fused --out OUT
-
-The first run is the one the others are compared with (loss differences).
-
-Throughput is the median over steps after --warmup steps (the first steps compile and allocate).
-Peak memory is the last logged ``peak_mem_per_rank`` (``torch.cuda.max_memory_allocated``, a
-running maximum) of each rank.
+    python benchmarks/train_compare.py --runs OUT/gpt2-small-cce_kahan_full_c OUT/gpt2-small-megatron --out OUT
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """What do background checkpoints, a preemption signal and deterministic mode cost a real run?
 
-Runs the Gemma 2 2B recipe (tp1 x dp NPROC, distributed optimizer, micro-batch 4) for --steps
-steps per run, each one torchrun launch, on offline data (stdlib text; the model keeps Gemma's
-256,000-row vocabulary), and writes ``OUT/train_resilience_<gpu>_<yyyymmdd>.{json,md}``:
-
-    throughput    "plain": no checkpoint (checkpoint.at_end=false); "saving": a checkpoint every
-                  --save-every steps (in the background); "signal": a checkpoint every
-                  --signal-save-every steps and SIGTERM to torchrun once --signal-at steps are
-                  logged (the ranks save at the next step and exit), then restarted to the end.
-                  Reports tokens/s of plain and saving (wall clock: saves and waits for them
-                  included), the blocking time, the background write time and throughput of
-                  each checkpoint, and the resume's check and load times.
-    determinism   train.deterministic: runs "det-a" and "det-b" uninterrupted, and "det-sig":
-                  SIGTERM to torchrun once --signal-at steps are logged (the ranks save at the
-                  next step and exit), then restarted to the end. Reports whether the per-step
-                  losses and gradient norms of the three are bitwise equal, and the tokens/s
-                  of det-a against plain (when both are in the same --out).
-    cost          "det-c": det-a's command again, on the machine that ran plain (the tokens/s
-                  of deterministic mode against plain then come from one machine).
+The Gemma 2 2B recipe (tp1 x dp NPROC), one torchrun launch per run, offline data; phases
+``throughput`` (plain, saving, signal + restart), ``determinism`` (det-a, det-b, det-sig),
+``cost`` (det-c on plain's machine) and ``report``; each adds its runs to OUT/runs.json and the
+report goes to ``OUT/train_resilience_<gpu>x<n>_<yyyymmdd>.{json,md}`` (docs/training.md).
 
     python benchmarks/train_resilience.py --phase throughput --out OUT
-    python benchmarks/train_resilience.py --phase determinism --out OUT     # then: --phase report
-
-CPU smoke test of the plumbing: --recipe recipes/tiny.yaml --nproc 2 --steps 6 --save-every 2
---signal-at 3 --extra data.vocab_size=1024 model.vocab_size=null train.global_batch_size=8
-
-Each phase adds its runs' metrics to OUT/runs.json, so the phases can go in separate launches;
-``--phase report`` writes the report from it.
+    # CPU smoke: --recipe recipes/tiny.yaml --nproc 2 --steps 6 --save-every 2 --signal-at 3
+    #   --extra data.vocab_size=1024 model.vocab_size=null train.global_batch_size=8
 """
 
 from __future__ import annotations
@@ -160,12 +141,12 @@ def report(out: Path, recipe: str, note: str = "") -> int:
     lines = [f"# Checkpoints, signals and deterministic mode: {recipe}, {world}x {gpu}", "",
              f"- commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
              f"{day.isoformat()}" + (f"; {note}" if note else ""),
-             f"- tp {meta['layout']['tp']} x dp {meta['layout']['dp']}, distributed optimizer "
+             (f"- tp {meta['layout']['tp']} x dp {meta['layout']['dp']}, distributed optimizer "
              f"{meta['recipe']['parallel']['distributed_optimizer']}, micro-batch "
              f"{meta['recipe']['train']['micro_batch_size']}, {meta['layout']['accumulation']} micro-batches per step, "
-             f"seq {meta['recipe']['model']['seq_length']}; {meta['params_total'] / 1e6:.0f}M parameters",
-             "- command: `python benchmarks/train_resilience.py --phase throughput|determinism` "
-             "(tokens/s: wall clock from the end of step 1 to the end of the last, saves included)", ""]
+             f"seq {meta['recipe']['model']['seq_length']}; {meta['params_total'] / 1e6:.0f}M parameters"),
+             ("- command: `python benchmarks/train_resilience.py --phase throughput|determinism` "
+             "(tokens/s: wall clock from the end of step 1 to the end of the last, saves included)"), ""]
     summary = {"gpu": gpu, "world": world, "recipe": recipe, "commit": meta.get("commit"), "note": note, "date": date,
                "runs": {}}
     if "plain" in runs and "saving" in runs:
@@ -185,14 +166,14 @@ def report(out: Path, recipe: str, note: str = "") -> int:
         summary["signal"] = {"signalled_at": last, "saved_step": last + 1 if signal_saved else None,
                              "exits": [x["exit"] for x in run["launches"]], "resumed_at": list(run["resume"])}
         lines += ["## A signal", "",
-                  f"A checkpoint every {_interval(run)} steps; SIGTERM to torchrun after step {last}: checkpoint of "
+                  (f"A checkpoint every {_interval(run)} steps; SIGTERM to torchrun after step {last}: checkpoint of "
                   f"step {last + 1} {'written' if signal_saved else 'NOT written'}; torchrun's exit status "
                   f"{sig['exit']} (it exits 1 after forwarding a signal); the restart resumed from step(s) "
-                  f"{list(run['resume'])} and exited {restart['exit']}.", ""]
+                  f"{list(run['resume'])} and exited {restart['exit']}."), ""]
         lines += _checkpoint_table(run)
         for k, r in run["resume"].items():
-            lines += [f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
-                      f"{r['load_s']:.1f} s.", ""]
+            lines += [(f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
+                      f"{r['load_s']:.1f} s."), ""]
     # det-c: a later launch of det-a's command on the machine that ran plain (phase "cost").
     det = [n for n in ("det-a", "det-b", "det-sig", "det-c") if n in runs]
     if det:
@@ -210,8 +191,8 @@ def report(out: Path, recipe: str, note: str = "") -> int:
                   f"| run | bitwise equal to {ref} |", "|---|---|"]
         lines += [f"| {n} | {'yes' if same[n] else 'NO'} |" for n in det]
         if sig:
-            lines += ["", f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
-                          f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}."]
+            lines += ["", (f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
+                          f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}.")]
         if "plain" in runs:
             d, p = tokens_per_s(runs[det[-1]] if det[-1] == "det-c" else runs[ref]), tokens_per_s(runs["plain"])
             summary["determinism"].update(tokens_per_s=d, plain_tokens_per_s=p, ratio=d / p)
@@ -230,8 +211,8 @@ def report(out: Path, recipe: str, note: str = "") -> int:
 
 
 def _checkpoint_table(run: dict) -> list[str]:
-    lines = ["| step | GB | training blocked s (waiting for the previous save) | staging s | background write s "
-             "| GB/s (write) | meta.json + rename s | pruning s |",
+    lines = [("| step | GB | training blocked s (waiting for the previous save) | staging s | background write s "
+             "| GB/s (write) | meta.json + rename s | pruning s |"),
              "|---|---|---|---|---|---|---|---|"]
     done, begun = run["checkpoint"], run["checkpoint_start"]
     for k in sorted(set(done) | set(begun), key=int):
