@@ -48,7 +48,7 @@ def launch(args, impl: str, seq: int, mbs: int) -> dict:
             "checkpoint.resume=never", "checkpoint.at_end=false", "data.source=stdlib", "data.tokenizer=bpe",
             "data.vocab_size=8192", f"data.dir={work / 'data'}", f"model.seq_length={seq}",
             f"train.micro_batch_size={mbs}", f"train.global_batch_size={mbs * args.nproc * args.accumulation}",
-            f"train.steps={args.steps}", "optim.warmup_steps=1", "eval.interval=0", "logging.interval=1",
+            f"train.steps={args.steps}", "optim.warmup_steps=1", "eval.interval=0", "eval.iters=1", "logging.interval=1",
             "logging.wandb=disabled", "loss.softcap=null", f"loss.impl={impl}", *args.extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "cce_parallel.train", "--recipe", args.recipe, "--set", *sets]

@@ -198,7 +198,8 @@ def _block_mask(s: int, window: int | None, device: torch.device):
     def sliding(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
-    return create_block_mask(sliding if window is not None else causal, None, None, s, s, device=device)
+    # _compile: evaluated block by block; eager would materialize the s x s mask (17 GB at 128k).
+    return create_block_mask(sliding if window is not None else causal, None, None, s, s, device=device, _compile=True)
 
 
 def _dropout_rng(dropout_p: float, sequence_parallel: bool, device: torch.device):
