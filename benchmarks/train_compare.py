@@ -201,6 +201,9 @@ def main(argv=None) -> int:
 
     runs = [read_run(Path(d)) for d in args.runs]
     summaries = [summarize(r, args.warmup) for r in runs]
+    if len({s["label"] for s in summaries}) < len(summaries):  # runs of one impl (an A/B of something else)
+        for s, r in zip(summaries, runs):
+            s["label"] += f" ({r['meta']['recipe']['run']['name']})"
     device = summaries[0]["device_name"]
     meta = {
         "device": device,
