@@ -29,9 +29,9 @@ loss by ``loss_mask`` and divides by a count: the mask must be folded into the l
 ``pretrain_gpt`` passes it); a loop that does not pass it to the model folds it itself (the train
 job does).
 Without gradient-accumulation fusion a bf16 ∇weight is made in the forward for the number the loss
-is scaled by; Megatron's schedule divides it by the number of micro-batches, so call
-``cce_parallel.expect_loss_scale(1 / num_microbatches)`` once (the train job does), or the first
-backward recomputes ∇weight.
+is scaled by; Megatron's schedule divides it by the number of micro-batches, so pass
+``CCEOptions(loss_scale=1 / num_microbatches)`` (the train job does), or the first backward
+recomputes ∇weight.
 """
 
 import contextlib
@@ -45,6 +45,7 @@ from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_
 
 from cce_parallel.ops import IMPLS
 from cce_parallel.ops.functional import resolve_logits_budget
+from cce_parallel.ops.upstream import check_loss_scale
 from cce_parallel.parallel import linear_cross_entropy
 from cce_parallel.parallel.dtensor import any_dtensor
 
@@ -67,6 +68,10 @@ class CCEOptions:
     logits_budget: str | int = "auto"
     """Bytes of the logits buffer per token block of the one-pass loss: "auto", a number, or "lean" / 0
     (recompute the logits in the backward; least memory)."""
+    loss_scale: float | None = None
+    """What the schedule multiplies the loss by before its backward (``1 / num_microbatches``): a bf16
+    ∇weight made in the forward (no gradient-accumulation fusion) is made for it. None: the
+    process-wide default (``cce_parallel.expect_loss_scale``, else learned from the backwards)."""
     make_vocab_size_divisible_by: int | None = None
     """If set, the layer's (padded) vocabulary must be a multiple of it times tp, as Megatron-LM's
     ``--make-vocab-size-divisible-by`` pads it; a layer whose vocabulary is not raises ValueError."""
@@ -85,6 +90,8 @@ class CCEOptions:
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         resolve_logits_budget(self.logits_budget)
+        if self.loss_scale is not None:
+            check_loss_scale(self.loss_scale)
         m = self.make_vocab_size_divisible_by
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"make_vocab_size_divisible_by must be a positive int or None, got {m!r}")
@@ -97,6 +104,7 @@ class CCEOptions:
             "z_loss": self.z_loss,
             "ignore_index": self.ignore_index,
             "logits_budget": self.logits_budget,
+            "loss_scale": self.loss_scale,
         }
 
 

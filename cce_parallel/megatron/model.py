@@ -53,7 +53,7 @@ def use_cce(model, impl: str = "cce_kahan_full_c", **options):
             model chunks (virtual pipeline stages). Call it before or after wrapping.
         impl: one of ``cce_parallel.IMPLS``.
         **options: the other fields of ``CCEOptions``: softcap, label_smoothing, z_loss,
-            ignore_index, logits_budget, make_vocab_size_divisible_by.
+            ignore_index, logits_budget, loss_scale, make_vocab_size_divisible_by.
 
     Afterwards ``model(input_ids, position_ids, attention_mask, labels=labels)`` returns the
     per-token fp32 loss [b, s] (labels [b, s]) and never builds the logits; without labels it

@@ -145,7 +145,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     kernels.weighted_grads(flag, e_all, c, bias, targets, lse, a, b, u, scale,
                                            main if main is not None else dc, db, de if rounded_de else None,
                                            softcap=cfg.softcap, add_dc=main is not None)
-                    upstream._report(report, cfg.loss_scale)
+                    upstream._report(report, cfg.loss_scale, cfg.loss_scale_given)
             elif kind == "mask" and not low:
                 # Weights r on most kept tokens, 0 on the m masked ones: dC = r (dC1 - the masked rows'
                 # part), the correction recomputed by the lean backward on those m rows alone and added

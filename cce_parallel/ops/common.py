@@ -66,7 +66,8 @@ class LossConfig:
     need_de: bool = True
     need_dc: bool = True
     need_db: bool = True
-    loss_scale: float = 1.0  # the one-pass gradients are made for it (a bf16 dC: see loss_scale below)
+    loss_scale: float = 1.0  # the one-pass gradients are made for it (a bf16 dC: ops/upstream.py)
+    loss_scale_given: bool = False  # the caller passed it: backwards' reports teach the default nothing
     fp32_grads: bool = False  # the one-pass dC and dE in fp32, as for a main_grad (see masked_weights_seen)
 
     @property

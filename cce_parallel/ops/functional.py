@@ -94,7 +94,7 @@ def _triton_usable(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
 
 def check_inputs(
     e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl, logits_budget="auto",
-    row_ranks=1,
+    loss_scale=None, row_ranks=1,
 ):
     """Raise a clear error for any malformed argument (no tensor data is read here).
 
@@ -118,6 +118,8 @@ def check_inputs(
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     resolve_logits_budget(logits_budget)
+    if loss_scale is not None:
+        upstream.check_loss_scale(loss_scale)
 
     if e.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"e must be float32, float16 or bfloat16, got dtype {e.dtype}")
@@ -222,6 +224,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     impl: str = "cce",
     logits_budget: Union[str, int] = "auto",
+    loss_scale: Optional[float] = None,
     return_lse: bool = False,
 ):
     """Cross-entropy of the logits e @ c.T (+ bias) without materializing them, on one device.
@@ -242,6 +245,12 @@ def linear_cross_entropy(
             "auto" (a quarter of the call's logits where dC sums in bf16, all of them where it
             sums in fp32, within 512 MiB .. 3 GiB), a number of bytes, or "lean" / 0 for the
             two-pass path that recomputes the logits in the backward (about 100 MB above dE + dC).
+        loss_scale: the number the loss (its mean over the kept tokens, for reduction "none") is
+            multiplied by before its backward, e.g. 1 / micro-batches: a bf16 dC (and dE) made in
+            the forward is made for it, rounded once. Used as given; a backward that brings
+            another number still gets exact gradients (recomputed, slower, with a warning). None:
+            the process-wide default (cce_parallel.expect_loss_scale, else learned from earlier
+            backwards). Finite and nonzero.
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
 
@@ -250,7 +259,8 @@ def linear_cross_entropy(
     """
     return sharded_linear_cross_entropy(
         e, c, targets, bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
-        z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, return_lse=return_lse,
+        z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
+        return_lse=return_lse,
     )
 
 
@@ -267,6 +277,7 @@ def sharded_linear_cross_entropy(
     reduction="mean",
     impl="cce",
     logits_budget="auto",
+    loss_scale=None,
     return_lse=False,
     comm: Collectives = SINGLE,
     vocab_start: int = 0,
@@ -287,7 +298,7 @@ def sharded_linear_cross_entropy(
     """
     check_inputs(
         e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
-        z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget,
+        z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
         row_ranks=world if sequence_parallel else 1,
     )
     shard = c.shape[0]
@@ -314,7 +325,10 @@ def sharded_linear_cross_entropy(
     # Megatron's (loss * mask).sum() / mask.sum(), the mask folded into ignore_index, then needs no
     # pass over dC in the backward.
     check = TargetCheck(comm.rank)
-    loss_scale = upstream.loss_scale if bf16_dc else 1.0
+    # A bf16 dC is made for the caller's loss_scale, as given, or else for the process-wide default
+    # (ops/upstream.py); other one-pass gradients scale exactly, so they are made for 1.
+    given = loss_scale is not None and bf16_dc
+    loss_scale = float(loss_scale) if given else upstream.loss_scale if bf16_dc else 1.0
 
     def prepare():
         prepared = prepare_targets(t2, ignore_index, vocab, vocab_start, shard, reduction != "sum", use_triton)
@@ -340,11 +354,12 @@ def sharded_linear_cross_entropy(
         block_vocab=largest_shard or shard,
         one_pass=use_triton and budget > 0 and torch.is_grad_enabled() and any(need)
         and not (reduction == "none" and upstream.per_token_weights_seen)
-        and not (bf16_dc and upstream.loss_scale_unsteady),
+        and not (bf16_dc and not given and upstream.loss_scale_unsteady),
         need_de=need[0],
         need_dc=need[1],
         need_db=need[2],
         loss_scale=loss_scale,
+        loss_scale_given=given,
         fp32_grads=fp32_grads,
     )
     # The kernels take row strides for e and c but assume unit strides elsewhere.

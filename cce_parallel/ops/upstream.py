@@ -36,7 +36,8 @@ import torch
 # Both are learned from the device's report (read_backward_reports): training loops call the loss
 # the same way every step, so only the first call (on a GPU the first two) recomputes all.
 #
-# loss_scale: the number the one-pass forward makes a bf16 dC and dE for (no fp32 main_grad), times
+# loss_scale: the default of the loss's loss_scale argument (ops/functional.py), for calls that pass
+# none: the number the one-pass forward makes a bf16 dC and dE for (no fp32 main_grad), times
 # the reduction's own weights: what the caller multiplies the reduced loss by before the backward
 # (1 / micro-batches in Megatron's schedule). The backward scales the stored gradients by the
 # upstream gradient over that; a bf16 gradient scaled by a number that is not a power of two would
@@ -45,6 +46,8 @@ import torch
 # on a GPU from the second call after). expect_loss_scale sets it beforehand.
 # loss_scale_unsteady: the number changed between two backwards in a row (loss sites with different
 # weights, say): bf16-dC calls take the lean path from then on, exact for any upstream gradient.
+# A call given loss_scale uses that number as it is: the one-pass path, whatever these two say, and
+# its backward's report teaches them nothing (a number that disagrees is recomputed, with a warning).
 per_token_weights_seen = False
 masked_weights_seen = False
 loss_scale = 1.0
@@ -52,23 +55,30 @@ loss_scale_unsteady = False
 _last_missed = False  # the last report was a miss (loss_scale is the number it brought)
 
 # Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (code, ratio), event,
-# the loss_scale its forward used). code: the per-token weights' kind (_ONE, _MANY, _MASK), plus
-# _MISSED where the number's ratio to loss_scale is not a power of two (a bf16 dC / dE recomputed).
+# the loss_scale its forward used, whether the caller gave it). code: the per-token weights' kind
+# (_ONE, _MANY, _MASK), plus _MISSED where the number's ratio to loss_scale is not a power of two (a
+# bf16 dC / dE recomputed).
 _reports: list = []
 
 
-def expect_loss_scale(scale: float) -> None:
-    """Tell the loss what the reduced loss will be multiplied by before its backward (for example
-    1 / micro-batches where the loss is divided by their number), so that a bf16 dC computed in
-    the forward is made for it: rounded once, with no recompute at the first backward. Without it
-    the loss learns the number from its backwards. Calls made before and after a resume then
-    compute the same bits (the train job sets it). It also ends an "unsteady" state (changing
-    numbers sent bf16 calls down the lean path): the one-pass path is taken again, until two
-    different numbers in a row are seen again."""
-    global loss_scale, loss_scale_unsteady, _last_missed
+def check_loss_scale(scale, name: str = "loss_scale") -> float:
+    """scale as a float; ValueError naming `name` unless it is a finite nonzero real number."""
     if not (isinstance(scale, Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale != 0):
-        raise ValueError(f"expect_loss_scale: scale must be a finite nonzero number, got {scale!r}")
-    loss_scale, loss_scale_unsteady, _last_missed = float(scale), False, False
+        raise ValueError(f"{name} must be a finite nonzero number, got {scale!r}")
+    return float(scale)
+
+
+def expect_loss_scale(scale: float) -> None:
+    """Set the process-wide default of the loss's loss_scale argument: what the reduced loss will
+    be multiplied by before its backward (for example 1 / micro-batches where the loss is divided
+    by their number), so that a bf16 dC computed in the forward is made for it: rounded once, with
+    no recompute at the first backward. Calls that pass loss_scale use theirs instead (the
+    documented way); without either the loss learns the number from its backwards. It also ends an
+    "unsteady" state (changing numbers sent bf16 calls down the lean path): the one-pass path is
+    taken again, until two different numbers in a row are seen again."""
+    global loss_scale, loss_scale_unsteady, _last_missed
+    loss_scale = check_loss_scale(scale, "expect_loss_scale: scale")
+    loss_scale_unsteady, _last_missed = False, False
 
 
 def _warn_many():
@@ -95,8 +105,8 @@ def _learn_scale(value: float):
         warnings.warn(
             f"cce_parallel: the loss's upstream gradient changed between backwards ({loss_scale:g}, then "
             f"{value:g}: loss sites with different weights?). A bf16 dC made in the forward would be rounded twice, "
-            "so calls without an fp32 main_grad take the lean path from now on (exact, slower). One loss scale "
-            "per process (cce_parallel.expect_loss_scale) keeps the one-pass speed.",
+            "so calls without an fp32 main_grad take the lean path from now on (exact, slower). Each call's own "
+            "loss_scale argument (or one per process: cce_parallel.expect_loss_scale) keeps the one-pass speed.",
             stacklevel=4,
         )
     loss_scale, _last_missed = value, True
@@ -149,19 +159,20 @@ def _saw_masked():
     masked_weights_seen = True
 
 
-def _report(packed: torch.Tensor, used: float):
+def _report(packed: torch.Tensor, used: float, given: bool):
     """Send a backward's report (fp32 [2] = code, ratio; kernels.snap_ratio) to the host: at once on
     a CPU; on a GPU through a pinned copy that the next call of the loss reads after its forward
-    (read_backward_reports). Every tensor-parallel rank gets the same upstream gradient, so they
-    all learn the same at the same call."""
+    (read_backward_reports). used: the loss scale its forward made the gradients for; given: the
+    caller passed it (then the report teaches the default nothing). Every tensor-parallel rank gets
+    the same upstream gradient, so they all learn the same at the same call."""
     if packed.is_cuda:
         host = torch.empty(2, dtype=torch.float32, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        _reports.append((host, event, used))
+        _reports.append((host, event, used, given))
     else:
-        _reports.append((packed, None, used))
+        _reports.append((packed, None, used, given))
         read_backward_reports()
 
 
@@ -171,7 +182,7 @@ def read_backward_reports():
     the earlier backwards' reports: on a GPU the host learns a backward's report one call late."""
     global _last_missed
     while _reports:
-        host, event, used = _reports.pop(0)
+        host, event, used, given = _reports.pop(0)
         if event is not None:
             event.synchronize()
         code, ratio = host.tolist()
@@ -180,7 +191,15 @@ def read_backward_reports():
             _warn_many()
         elif kind == _MASK:
             _saw_masked()
-        if missed:
+        if given:  # the caller's number stays theirs; the default learns nothing from it
+            if missed:
+                warnings.warn(
+                    f"cce_parallel: the loss's upstream gradient was {ratio * used:g} (times the reduction's "
+                    f"weights), not the loss_scale={used:g} it was given, so its bf16 gradients were "
+                    "recomputed (exact, slower). Pass the number the loss is multiplied by before its backward.",
+                    stacklevel=3,
+                )
+        elif missed:
             _learn_scale(ratio * used)
         else:
             _last_missed = False

@@ -24,6 +24,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     impl: str = "cce",
     logits_budget: Union[str, int] = "auto",
+    loss_scale: Optional[float] = None,
     return_lse: bool = False,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_range: Optional[Tuple[int, int]] = None,
@@ -50,6 +51,12 @@ def linear_cross_entropy(
             "auto" (a quarter of the call's logits where dC sums in bf16, all of them where it
             sums in fp32, within 512 MiB .. 3 GiB), a number of bytes, or "lean" / 0 for the
             two-pass path that recomputes the logits in the backward (about 100 MB above dE + dC).
+        loss_scale: the number the loss (its mean over the kept tokens, for reduction "none") is
+            multiplied by before its backward, e.g. 1 / micro-batches: a bf16 dC (and dE) made in
+            the forward is made for it, rounded once. Used as given; a backward that brings
+            another number still gets exact gradients (recomputed, slower, with a warning). None:
+            the process-wide default (cce_parallel.expect_loss_scale, else learned from earlier
+            backwards). Finite and nonzero.
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
         tp_group: the tensor-parallel ProcessGroup whose ranks each hold a shard of c.
@@ -76,8 +83,8 @@ def linear_cross_entropy(
         )
     options = dict(
         bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
-        reduction=reduction, impl=impl, logits_budget=logits_budget, return_lse=return_lse,
-        c_main_grad=_main_grad_source(main_grad, c),
+        reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
+        return_lse=return_lse, c_main_grad=_main_grad_source(main_grad, c),
     )
     if tp_group is None:
         if vocab_range is not None or sequence_parallel:
@@ -92,7 +99,7 @@ def linear_cross_entropy(
             raise dtensor_error
         check_inputs(
             e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
-            z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget,
+            z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
             row_ranks=world if sequence_parallel else 1,
         )
         if vocab_range is not None:
@@ -133,7 +140,8 @@ def _main_grad_source(main_grad, c):
 class LinearCrossEntropy(torch.nn.Module):
     """Cut cross-entropy loss with fixed options; forward(e, c, targets, bias=None).
 
-    Takes the same keyword options as `cce_parallel.linear_cross_entropy`, tp_group included.
+    Takes the same keyword options as `cce_parallel.linear_cross_entropy`, tp_group and loss_scale
+    included (held in `options`, shown in its repr).
     """
 
     def __init__(self, **options):

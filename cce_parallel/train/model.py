@@ -155,8 +155,13 @@ def layer_spec(recipe: Recipe, config: TransformerConfig, device: str):
     return local_gpt_layer_spec(**gemma2)
 
 
-def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, device: str) -> GPTModel:
-    """This rank's GPTModel stage (pre/post-process by pipeline stage), with the recipe's loss layer."""
+def build_gpt(
+    recipe: Recipe, config: TransformerConfig, *, vocab_size: int, device: str,
+    loss_scale: float | None = None,
+) -> GPTModel:
+    """This rank's GPTModel stage (pre/post-process by pipeline stage), with the recipe's loss layer.
+    loss_scale: what the schedule multiplies each micro-batch's loss by (1 / micro-batches), for
+    the CCE layer (CCEOptions.loss_scale)."""
     m, loss = recipe.model, recipe.loss
     model = GPTModel(
         config=config,
@@ -183,6 +188,7 @@ def build_gpt(recipe: Recipe, config: TransformerConfig, *, vocab_size: int, dev
             label_smoothing=loss.label_smoothing,
             z_loss=loss.z_loss,
             logits_budget=loss.logits_budget,
+            loss_scale=loss_scale,
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         )
     return model

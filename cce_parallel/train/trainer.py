@@ -23,7 +23,6 @@ from megatron.core import parallel_state
 
 from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
 from cce_parallel.megatron import mask_labels
-from cce_parallel.ops import upstream
 from cce_parallel.train import checkpoint, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine
@@ -93,18 +92,18 @@ class Trainer:
             recipe, info, tokenizer, dp_rank=self.layout["dp_rank"], dp_size=self.layout["dp"], device=torch_device
         )
         self.config = transformer_config(recipe, dtype=self.dtype, cpu_init=device == "cpu")
-        model = build_gpt(recipe, self.config, vocab_size=self.vocab_size, device=device)
+        # The schedule divides each micro-batch's loss by their number: the one-pass CCE loss makes a
+        # bf16 ∇W for that from the first call (not learned at the first backward), so that a
+        # resumed run computes the same bits as one that never stopped.
+        self.loss_scale = 1.0 / self.layout["accumulation"] if recipe.loss.is_cce else None
+        model = build_gpt(recipe, self.config, vocab_size=self.vocab_size, device=device,
+                          loss_scale=self.loss_scale)
         self.info = info
         if recipe.model.init_from and resume_from is None:
             self._init_from(model, info)
         self.params_local, stage_params = count_parameters(model, recipe.parallel.tensor)
         self.params_total = self._total_parameters(stage_params)
         self.engine = build_engine(recipe, model, self.config, device=device, dtype=self.dtype)
-        if recipe.loss.is_cce:
-            # The schedule divides each micro-batch's loss by their number: the one-pass loss makes
-            # a bf16 ∇W for that from the first call (not learned at the first backward), so that a
-            # resumed run computes the same bits as one that never stopped.
-            upstream.expect_loss_scale(1.0 / self.layout["accumulation"])
 
         self.step = 0
         self.metrics = MetricsLogger(
@@ -220,7 +219,7 @@ class Trainer:
             flops_per_token=flops_per_token(self.recipe, self.vocab_size), peak_tflops=self.peak_tflops,
             torch=torch.__version__, megatron_core=megatron.core.__version__, python=sys.version.split()[0],
             commit=commit, host=socket.gethostname(), time=time.time(),
-            loss_scale=upstream.loss_scale,  # what a bf16 ∇W made in the loss's forward is made for
+            loss_scale=self.loss_scale,  # what a bf16 ∇W made in the CCE loss's forward is made for
             loss_fusion=self._loss_fusion,  # megatron_fused: the cross_entropy_fusion_impl it ran (native / te)
         )
         r = self.recipe

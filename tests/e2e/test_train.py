@@ -41,7 +41,7 @@ def test_tiny_tp2_trains(tiny_reference):
 
     meta = metrics["meta"][0]
     assert meta["layout"]["tp"] == 2 and meta["layout"]["world"] == 2 and meta["engine"] == "cpu"
-    # The job told the loss the schedule's 1 / micro-batches (cce_parallel.expect_loss_scale).
+    # The job passed the loss layer the schedule's 1 / micro-batches (CCEOptions.loss_scale).
     assert meta["layout"]["accumulation"] > 1 and meta["loss_scale"] == 1 / meta["layout"]["accumulation"]
     assert meta["params_rank0"] < meta["params_total"] < 2 * meta["params_rank0"]  # TP halves the sharded ones
     assert 0.1e6 < meta["params_total"] < 0.3e6

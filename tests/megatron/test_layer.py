@@ -94,6 +94,20 @@ def test_loss_and_grads_vs_oracle(impl, opts):
         assert rel_err(layer.bias.grad, ref.dbias) <= tol
 
 
+def test_loss_scale_reaches_the_loss(monkeypatch):
+    """CCEOptions.loss_scale is the loss's loss_scale argument (None: the process-wide default)."""
+    from cce_parallel.megatron import layer as layer_module
+
+    seen = []
+    real = layer_module.linear_cross_entropy
+    monkeypatch.setattr(layer_module, "linear_cross_entropy",
+                        lambda *a, **k: seen.append(k["loss_scale"]) or real(*a, **k))
+    hidden, labels = _inputs()
+    for scale in (0.25, None):
+        _layer(options=CCEOptions(impl="torch", loss_scale=scale))(hidden, labels=labels)
+    assert seen == [0.25, None]
+
+
 def _reference_grad(layer, hidden, labels, weights=None):
     w = layer.weight.detach().clone().requires_grad_()
     logits = (hidden @ w.t()).float()  # [s, b, V]
@@ -284,6 +298,9 @@ def test_option_and_config_errors():
         CCEOptions(logits_budget="sometimes")
     with pytest.raises(TypeError, match="ignore_index"):
         CCEOptions(ignore_index=1.5)
+    for bad in (0.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="loss_scale"):
+            CCEOptions(loss_scale=bad)
     with pytest.raises(
         ValueError, match=r"not divisible by 8 \(make_vocab_size_divisible_by=8.*pad it to 64"
     ):

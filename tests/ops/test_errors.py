@@ -115,6 +115,12 @@ BAD_OPTIONS = [
     ("logits_budget", 1.5, "logits_budget"),
     ("logits_budget", "fast", "logits_budget"),
     ("logits_budget", True, "logits_budget"),
+    ("loss_scale", 0.0, "loss_scale"),
+    ("loss_scale", math.inf, "loss_scale"),
+    ("loss_scale", math.nan, "loss_scale"),
+    ("loss_scale", True, "loss_scale"),
+    ("loss_scale", "0.5", "loss_scale"),
+    ("loss_scale", torch.tensor(0.5), "loss_scale"),
 ]
 
 
@@ -125,7 +131,8 @@ def test_bad_option(name, value, pattern, impl):
         call(good(), **options)
 
 
-@pytest.mark.parametrize("name, value, pattern", BAD_OPTIONS[:12:3], ids=lambda v: repr(v))
+@pytest.mark.parametrize("name, value, pattern", BAD_OPTIONS[:12:3] + BAD_OPTIONS[-6:-3],
+                         ids=lambda v: repr(v))
 def test_bad_option_in_module(name, value, pattern):
     """The module may check at construction or at forward; either way it raises."""
     args = good()

@@ -335,15 +335,15 @@ def test_confident_targets_no_worse_than_plain_pytorch(budget):
     assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
 
 
-@pytest.mark.parametrize("primed", [False, True])
-def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(primed):
+@pytest.mark.parametrize("told", [None, "expect_loss_scale", "loss_scale"])
+def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(told):
     """The loss times 3 (a mean over 3 micro-batches), random data (an untrained model): a bf16 dC
     made in the forward for 1 and scaled by 3 in the backward is rounded twice, and worse than
     plain bf16 PyTorch here (checked first, so that the test shows the defect it guards against).
     Ours: the first backward recomputes dC and dE (kernels.weighted_grads; dE too is made in bf16
     in the forward on one rank) and the host learns the 3, after which the forward makes them for
-    it; told beforehand (expect_loss_scale), no recompute at all. Every call's errors are within
-    plain PyTorch's."""
+    it; told beforehand (the call's loss_scale, or the process-wide expect_loss_scale), no recompute
+    at all. Every call's errors are within plain PyTorch's."""
     from cce_parallel.ops import upstream as ops_upstream
 
     n, v, d = 4096, 32064, 3072
@@ -356,15 +356,16 @@ def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(primed):
     twice = rel_err((once.dc.float() * 3.0).bfloat16(), ref.dc)
     show("bf16 dC made for 1, then scaled by 3", {"dc": twice}, plain_errs)
     assert twice > SLACK * plain_errs["dc"]
-    if primed:
+    if told == "expect_loss_scale":
         ops_upstream.expect_loss_scale(3.0)
+    told_options = {**options, "loss_scale": 3.0} if told == "loss_scale" else options
     for call in ("first", "second"):
-        errs = errors(run(linear_cross_entropy, inputs, options, three), ref)
-        show(f"upstream 3, {call} call, primed {primed}", errs, plain_errs)
+        errs = errors(run(linear_cross_entropy, inputs, told_options, three), ref)
+        show(f"upstream 3, {call} call, told by {told}", errs, plain_errs)
         bad = worse_than_plain(errs, plain_errs)
         assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
         ops_upstream.read_backward_reports()  # now, not after the next forward
-        assert ops_upstream.loss_scale == 3.0
+        assert ops_upstream.loss_scale == (1.0 if told == "loss_scale" else 3.0)  # a given number teaches nothing
 
 
 @pytest.mark.parametrize("n, v, d", [(1, 1, 16), (1, 128, 32), (37, 300, 48), (64, 4096, 64)])

@@ -7,13 +7,14 @@ dC for other per-token weights, and recomputes everything for a gradient through
 numbers and which way was taken.
 """
 
+import functools
 import math
 import warnings
 
 import pytest
 import torch
 
-from cce_parallel import linear_cross_entropy
+from cce_parallel import LinearCrossEntropy, linear_cross_entropy
 from cce_parallel.ops import autograd, common
 from cce_parallel.ops import one_pass as one_pass_module
 from cce_parallel.ops import upstream as ops_upstream
@@ -894,6 +895,63 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
     (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * 3.0).backward()
     _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, 3.0)
     assert flags[-1] == 0 and len(lean_calls) == (1 if device.type == "cuda" else 2)
+
+
+@pytest.mark.parametrize("how", ["function", "module"])
+def test_an_explicit_loss_scale_computes_what_expect_loss_scale_does(how, device, monkeypatch):
+    """linear_cross_entropy(..., loss_scale=3) (or LinearCrossEntropy(loss_scale=3)) makes the bf16
+    gradients for 3 as expect_loss_scale(3) does: the same bits, no recompute at the first backward,
+    within plain bf16 PyTorch's error; and the process-wide default stays 1."""
+    _bf16_stand_ins(device, monkeypatch)
+    flags = _spy_weighted_grads(monkeypatch)
+    e, c, t = _frequent_target_case(device)
+
+    def first_call(expect=None, **options):
+        fresh_backward_state(monkeypatch)
+        if expect is not None:
+            ops_upstream.expect_loss_scale(expect)
+        e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
+        loss_fn = LinearCrossEntropy(impl=IMPL, **options) if how == "module" else functools.partial(
+            linear_cross_entropy, impl=IMPL, **options)
+        (loss_fn(e1, c1, t) * 3.0).backward()
+        ops_upstream.read_backward_reports()
+        return e1.grad, c1.grad
+
+    de, dc = first_call(loss_scale=3.0)
+    assert ops_upstream.loss_scale == 1.0 and flags == [0]
+    _assert_beats_plain_bf16(e, c, t, de, dc, 3.0)
+    expected = first_call(expect=3.0)
+    assert flags == [0, 0] and torch.equal(expected[0], de) and torch.equal(expected[1], dc)
+    unprimed = first_call()  # made for 1, then recomputed for 3: other bits
+    assert flags[-1] == 1 and not torch.equal(unprimed[1], dc)
+
+
+def test_an_explicit_loss_scale_is_used_as_given(device, monkeypatch, lean_calls):
+    """A call given loss_scale makes its gradients for that number, whatever the process-wide
+    default says or learns, and takes the one-pass path in an "unsteady" process; a backward that
+    brings another number gets exact (recomputed) gradients and a warning, and teaches neither the
+    call's number nor the default anything."""
+    _bf16_stand_ins(device, monkeypatch)
+    flags = _spy_weighted_grads(monkeypatch)
+    e, c, t = _frequent_target_case(device)
+
+    def step(upstream_number, **options):
+        e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
+        (linear_cross_entropy(e1, c1, t, impl=IMPL, **options) * upstream_number).backward()
+        ops_upstream.read_backward_reports()  # now, not after the next forward (a GPU host would learn then)
+        _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, upstream_number)
+        return flags[-1]
+
+    with pytest.warns(UserWarning, match=r"was 5 .*not the loss_scale=3 it was given"):
+        assert step(5.0, loss_scale=3.0) == 1  # recomputed, exact
+    assert ops_upstream.loss_scale == 1.0 and not ops_upstream._last_missed  # the default learned nothing
+    assert step(3.0, loss_scale=3.0) == 0  # still made for 3, not for the 5 its last backward brought
+    assert step(3.0) == 1 and ops_upstream.loss_scale == 3.0  # the default: 1, then learned
+    ops_upstream.expect_loss_scale(5.0)
+    assert step(3.0, loss_scale=3.0) == 0  # neither the learned nor the expected default replaces it
+    monkeypatch.setattr(ops_upstream, "loss_scale_unsteady", True)  # default calls take the lean path ...
+    assert step(3.0, loss_scale=3.0) == 0 and lean_calls == []  # ... a given number the one-pass path
+    assert ops_upstream.loss_scale == 5.0 and ops_upstream.loss_scale_unsteady
 
 
 @pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf"), True, "1", torch.tensor(0.5)])
