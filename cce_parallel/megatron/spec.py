@@ -90,15 +90,24 @@ class ZeroCenteredNorm(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size)) if kind == "LayerNorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        if self.kind == "RMSNorm":
-            y = F.rms_norm(x32, self.shape, eps=self.eps)
-        else:
-            y = F.layer_norm(x32, self.shape, eps=self.eps)
-        y = y * (1.0 + self.weight.float())
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype)
+        norm = _compiled_zero_centered() if x.is_cuda else _zero_centered
+        return norm(x, self.weight, self.bias, self.shape, self.eps, self.kind == "RMSNorm")
+
+
+def _zero_centered(x, weight, bias, shape: tuple, eps: float, rms: bool) -> torch.Tensor:
+    x32 = x.float()
+    y = F.rms_norm(x32, shape, eps=eps) if rms else F.layer_norm(x32, shape, eps=eps)
+    y = y * (1.0 + weight.float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@functools.cache
+def _compiled_zero_centered():
+    """On CUDA one fused kernel each way, saving x rather than fp32 copies of it: eager, Gemma 2's
+    four norms per layer made the recipe's step slower and its memory larger (see docs/training.md)."""
+    return torch.compile(_zero_centered, dynamic=False)
 
 
 class _PostNorm:
