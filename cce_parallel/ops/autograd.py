@@ -115,7 +115,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 # Ignored tokens' upstream gradients may be anything: they count as 0.
                 g_k = torch.where(keep, g, 0.0)
                 w = g_k / grad_scale
-                if cfg.fp32_grads or upstream.per_token_weights_seen:  # learned from earlier calls: sort on the host
+                if cfg.fp32_grads:  # the forward knew of masks (masked_weights_seen): sort on the host
                     kind, r = upstream._weights_kind(w, keep)  # the one host sync
                     ratio = torch.full((), r, **f32) if r is not None else None
                 else:  # the device decides, no host sync (see _weights_over_kept)

@@ -13,9 +13,10 @@ What a per-token g is over the kept tokens is decided on the device, without a h
 and a bf16 dE (exact), and the host learns the kind (a call later, on a GPU). Any weights but a
 mask: later per-token calls take the lean path. One number r and 0 on m tokens (Megatron's
 loss_mask / count with the mask not folded): later per-token calls make dC and dE in fp32
-(masked_weights_seen). Once the host knows of either, per-token backwards sort their weights in
-one host sync (_weights_kind); for a mask dC and dbias become r (dC - the m rows' part), that part
-recomputed by the lean backward on those m rows alone, so that the cost follows m.
+(masked_weights_seen). Once the host knows of a mask, the backward of a forward that made fp32
+gradients sorts its weights in one host sync (_weights_kind); for a mask dC and dbias become
+r (dC - the m rows' part), that part recomputed by the lean backward on those m rows alone, so that
+the cost follows m.
 """
 
 import math

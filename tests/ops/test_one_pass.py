@@ -130,24 +130,6 @@ def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls
     assert lean_calls == [True]
 
 
-def test_weights_known_before_the_backward_recompute_dc_with_the_lean_backward(device, lean_calls, monkeypatch):
-    """On a GPU the host learns of per-token weights after the next call's forward
-    (ops_upstream.read_backward_reports): that call, whose forward ran on the one-pass path, sorts its
-    weights on the host and takes the lean backward for dC and dbias (library GEMMs, exact for any
-    weights) and scales dE."""
-    x = inputs(device)
-    grad_loss, _ = upstream(x["targets"], "none", False)
-    e, c, bias = (x[k].detach().requires_grad_() for k in ("e", "c", "bias"))
-    loss = linear_cross_entropy(e, c, x["targets"], bias=bias, impl=IMPL, reduction="none")
-    monkeypatch.setattr(ops_upstream, "per_token_weights_seen", True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        loss.backward(grad_loss)
-    ref = oracle(x["e"], x["c"], x["targets"], bias=x["bias"], reduction="none", grad_loss=grad_loss)
-    assert rel_err(e.grad, ref.de) < 5e-5 and rel_err(c.grad, ref.dc) < 5e-5 and rel_err(bias.grad, ref.dbias) < 5e-5
-    assert lean_calls == [False]
-
-
 def test_nan_weight_reaches_the_gradients(device, lean_calls):
     """A NaN upstream gradient on one kept token (the others one number and 0) is "many" weights:
     kernels.weighted_grads recomputes, and the NaN reaches dC as it would in plain PyTorch."""
@@ -762,18 +744,15 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
 def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monkeypatch, lean_calls):
     """Per-token weights on bf16 inputs: dC and dE were made in the forward in bf16 for one weight
     per kept token, so scaling their rows would round them twice. Flagged on the device,
-    kernels.weighted_grads recomputes both (known=False); where the host knew of per-token weights
-    before the backward (on a GPU, from the call before), the lean backward computes them. Either
-    way exact: the recompute within plain bf16 PyTorch's error, the lean backward's results handed
-    out as they are (on CPU its PyTorch reference rounds the logits to bf16, less accurate than the
-    Triton lean path, which the GPU tests check). Stand-ins on CPU (_bf16_stand_ins)."""
+    kernels.weighted_grads recomputes both, within plain bf16 PyTorch's error. The same where the
+    host learns of per-token weights between the forward and the backward (known: on a GPU, from
+    the call before): that backward makes no host sync either (test_gpu's
+    test_no_host_sync_in_a_training_step), and the calls after take the lean path from their
+    forward. Stand-ins on CPU (_bf16_stand_ins)."""
     from cce_parallel.ops import functional
 
     _bf16_stand_ins(device, monkeypatch)
     flags = _spy_weighted_grads(monkeypatch)
-    lean_out = []
-    spy = autograd.lean_backward
-    monkeypatch.setattr(autograd, "lean_backward", lambda *a, **k: lean_out.append(spy(*a, **k)) or lean_out[-1])
     e, c, t = _frequent_target_case(device)
     weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(9)).to(device) + 0.5
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
@@ -783,12 +762,8 @@ def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monk
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         (per_token * weights).sum().backward()
-    assert (flags, lean_calls) == (([], [True]) if known else ([1], []))
-    if known:
-        de, dc, _ = lean_out[0]
-        assert torch.equal(e1.grad, de.to(e.dtype)) and torch.equal(c1.grad, dc)
-    else:
-        _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, weights)
+    assert (flags, lean_calls) == ([1], [])
+    _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, weights)
 
 
 def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monkeypatch, lean_calls):
@@ -817,6 +792,7 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ((per_token * mask).sum() / mask.sum() * 3.0).backward()
+        ops_upstream.read_backward_reports()  # now, not after the next forward (a GPU host would learn then)
         assert ops_upstream.masked_weights_seen and not ops_upstream.per_token_weights_seen
         if call == 0:
             assert made[-1] == (torch.bfloat16, torch.bfloat16) and lean_calls == [] and flags == [1]
