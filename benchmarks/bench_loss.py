@@ -3,14 +3,13 @@
 Per (shape, regime) and method: forward time, forward + backward time in rounds that run every
 method in turn, peak memory above the inputs, TFLOP/s, and loss / ∇E / ∇C error against an fp32
 reference (docs/performance.md and benchmarks/README.md give the method). Results:
-<out>/<gpu>_<yyyymmdd>[_<tag>].{json,md,png}, the JSON rewritten after every case.
+<out>/<gpu>_<yyyymmdd>[_<tag>].{json,md}, the JSON rewritten after every case.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -54,7 +53,7 @@ def eager_loss(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> torch.Tenso
 @dataclass
 class Method:
     key: str  # short, used on the command line and in the printed table
-    label: str  # long, used in the Markdown table and the plot
+    label: str  # long, used in the Markdown table
     make: Callable[[], Callable] | None = None  # builds loss_fn(e, c, t) for one case
     unavailable: str | None = None
     info: dict = field(default_factory=dict)
@@ -365,7 +364,7 @@ def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtyp
 
 
 # ----------------------------------------------------------------------------------------------
-# Reports: Markdown and plot, from the JSON alone (so `render` can redo them)
+# Reports: Markdown, from the JSON alone (so `render` can redo them)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -478,104 +477,14 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_png(data: dict, path: Path) -> str | None:
-    """fwd+bwd time and peak memory per method: a row of bars per regime, a row of lines for the sweep."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except Exception as exc:  # noqa: BLE001
-        return f"matplotlib unavailable ({C.short_error(exc, 80)}): no PNG written"
-    main = [cs for cs in data["cases"] if cs["kind"] == "main"]
-    sweep = [cs for cs in data["cases"] if cs["kind"] == "sweep"]
-    regimes = list(dict.fromkeys(cs["regime"] for cs in main))
-    nrows = len(regimes) + bool(sweep)
-    if nrows == 0:
-        return "nothing to plot"
-    fig, axes = plt.subplots(nrows, 2, figsize=(16, 4.6 * nrows), squeeze=False)
-    order = C.method_order(data["cases"])
-    colors = {k: plt.cm.tab10(i % 10) for i, (k, _) in enumerate(order)}
-    panels = [(("fwd_bwd", "median_ms"), "fwd+bwd ms", 1.0), (("fwd_bwd_mem_bytes",), "fwd+bwd peak MiB", C.MiB)]
-    for row, regime in enumerate(regimes):
-        cases = [cs for cs in main if cs["regime"] == regime]
-        keys = [k for k, _ in C.method_order(cases) if any(C.get(cs["methods"].get(k), "fwd_bwd", "median_ms")
-                                                            for cs in cases)]
-        width = 0.8 / max(1, len(keys))
-        for col, (metric, ylabel, scale) in enumerate(panels):
-            ax = axes[row][col]
-            for j, k in enumerate(keys):
-                pts = [(i + (j - (len(keys) - 1) / 2) * width, C.get(cs["methods"].get(k), *metric))
-                       for i, cs in enumerate(cases)]
-                pts = [(x, v / scale) for x, v in pts if v is not None]
-                ax.bar([x for x, _ in pts], [v for _, v in pts], width=width, color=colors[k])
-            # black: 3 × cuBLAS's logits matmul (time), the lower bound ∇E + ∇C (memory)
-            marks = [(i, 3 * C.get(cs, "matmul", "ms") if col == 0 else cs["lower_bound_bytes"] / C.MiB)
-                     for i, cs in enumerate(cases) if col or C.get(cs, "matmul", "ms")]
-            if marks:
-                ax.scatter(*zip(*marks), marker="_", s=400, color="black", zorder=5)
-            ax.set_yscale("log")
-            ax.set_xticks(range(len(cases)))
-            ax.set_xticklabels([f"{cs['shape']}\nV={cs['V']} D={cs['D']}" for cs in cases], fontsize=8)
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"{regime}, N={cases[0]['N']}: {ylabel}")
-            ax.grid(axis="y", alpha=0.3)
-    if sweep:
-        styles = ["-", "--", ":", "-."]
-        sweep_regimes = list(dict.fromkeys(cs["regime"] for cs in sweep))
-        for col, (metric, ylabel, scale) in enumerate(panels):
-            ax = axes[nrows - 1][col]
-            shown = sweep_regimes if col == 0 else sweep_regimes[:1]  # memory hardly depends on the regime
-            for ri, regime in enumerate(shown):
-                cases = sorted([cs for cs in sweep if cs["regime"] == regime], key=lambda x: x["N"])
-                for k, _ in C.method_order(cases):
-                    pts = [(cs["N"], C.get(cs["methods"].get(k), *metric)) for cs in cases]
-                    pts = [(n, v / scale) for n, v in pts if v is not None]
-                    if pts:
-                        ax.plot(*zip(*pts), styles[ri % 4], marker="o", ms=3, color=colors[k])
-            cases = sorted([cs for cs in sweep if cs["regime"] == sweep_regimes[0]], key=lambda x: x["N"])
-            marks = [(cs["N"], 3 * C.get(cs, "matmul", "ms") if col == 0 else cs["lower_bound_bytes"] / C.MiB)
-                     for cs in cases if col or C.get(cs, "matmul", "ms")]
-            if marks:
-                ax.plot(*zip(*marks), "k_", ms=14, mew=2)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("tokens N")
-            ax.set_ylabel(ylabel)
-            legend = ", ".join(f"{r} {styles[i % 4]}" for i, r in enumerate(shown))
-            ax.set_title(f"token sweep, {sweep[0]['shape']}: {ylabel} ({legend})")
-            ax.grid(alpha=0.3)
-    handles = [Patch(color=colors[k], label=lab) for k, lab in order
-               if any(cs["methods"].get(k, {}).get("status") != "unavailable" for cs in data["cases"])]
-    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False,
-               title="black: 3 × cuBLAS logits matmul (time), lower bound ∇E+∇C (memory)", title_fontsize=8)
-    meta = data["meta"]
-    fig.suptitle(f"{meta['device']} · torch {meta['torch']} · triton {meta['triton']} · "
-                 + (f"merged from {len(meta['sources'])} runs" if meta.get("sources") else meta["git_commit"][:12])
-                 + f" · {meta['date'][:10]}", fontsize=10)
-    legend_in = 0.25 * math.ceil(len(handles) / 4) + 0.45  # legend height in inches
-    fig.tight_layout(rect=(0, legend_in / (4.6 * nrows), 1, 0.98))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
-def write_outputs(data: dict, stem: Path, *, png: bool) -> list[str]:
+def write_outputs(data: dict, stem: Path) -> list[str]:
     C.write_json(stem.with_suffix(".json"), data)
     stem.with_suffix(".md").write_text(render_markdown(data))
-    written = [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
-    if png:
-        msg = render_png(data, stem.with_suffix(".png"))
-        if msg:
-            print(f"[bench_loss] {msg}", flush=True)
-        else:
-            written.append(str(stem.with_suffix(".png")))
-    return written
+    return [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
 
 
-def render(files: list[str], out: str | None, tag: str | None, png: bool = True) -> int:
-    """Merge result files (later ones win for the same case) and write their .json/.md/.png."""
+def render(files: list[str], out: str | None, tag: str | None) -> int:
+    """Merge result files (later ones win for the same case) and write their .json/.md."""
     datas = C.load_results(files)
     merged: dict = {"meta": dict(datas[0]["meta"]), "cases": []}
     merged["meta"]["sources"] = [f"{Path(f).name} (commit {d['meta'].get('git_commit')}, {d['meta'].get('date')})"
@@ -590,7 +499,7 @@ def render(files: list[str], out: str | None, tag: str | None, png: bool = True)
             index[(cs["kind"], cs["shape"], cs["N"], cs["regime"])] = cs
     merged["cases"] = list(index.values())
     stem = C.out_stem(Path(out) if out else Path(files[0]).parent, merged["meta"], tag or "merged")
-    print("[bench_loss] wrote " + ", ".join(write_outputs(merged, stem, png=png)))
+    print("[bench_loss] wrote " + ", ".join(write_outputs(merged, stem)))
     return 0
 
 
@@ -622,7 +531,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
     p.add_argument("--tag", default=None, help="suffix of the output names: <gpu>_<yyyymmdd>_<tag>")
     p.add_argument("--commit", default=None, help="commit to record (where the tree has no .git)")
-    p.add_argument("--no-png", action="store_true", help="skip the plot")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: tests the plumbing")
     args = p.parse_args(argv)
     if args.cpu_smoke:  # defaults only: what the command line set stays
@@ -675,7 +583,7 @@ def main(argv=None) -> int:
     for m in methods:
         print(f"[bench_loss] method {m.key:<22} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
                                                               else ""), flush=True)
-    print(f"[bench_loss] {len(cases)} cases x {len(methods)} methods -> {stem}.{{json,md,png}}", flush=True)
+    print(f"[bench_loss] {len(cases)} cases x {len(methods)} methods -> {stem}.{{json,md}}", flush=True)
 
     start = time.monotonic()
     deadline = start + args.time_budget if args.time_budget else None
@@ -698,7 +606,7 @@ def main(argv=None) -> int:
                       f"  {C.fmt_mib(r.get('fwd_bwd_mem_bytes'))} MiB  dE {C.fmt_err(C.get(r, 'grad_e_rel_err'))}"
                       f"  dC {C.fmt_err(C.get(r, 'grad_c_rel_err'))}  {r.get('error', '')[:100]}", flush=True)
             data["elapsed_s"] = time.monotonic() - start
-            write_outputs(data, stem, png=False)  # partial results survive a killed run
+            write_outputs(data, stem)  # partial results survive a killed run
     except C.FatalCudaError as exc:
         data["aborted"] = f"fatal CUDA error, run stopped: {exc}"
         print(f"[bench_loss] {data['aborted']}", flush=True)
@@ -710,7 +618,7 @@ def main(argv=None) -> int:
         data["aborted"] = f"unexpected error, run stopped: {C.short_error(exc)}"
         rc = 4
     data["elapsed_s"] = time.monotonic() - start
-    written = write_outputs(data, stem, png=not args.no_png)
+    written = write_outputs(data, stem)
     print(f"[bench_loss] {data['elapsed_s']:.0f} s; wrote " + ", ".join(written), flush=True)
     return rc
 
