@@ -1,7 +1,7 @@
 """How does CCE's loss layer compare with megatron-core's in a real pretraining run?
 
 Reads the metrics.jsonl of runs of one recipe that differ in loss.impl (run_train_compare.sh) and
-writes ``OUT/train_compare_<gpu>_<yyyymmdd>[_<tag>].{json,md,png}``: loss curves, tokens/s (median
+writes ``OUT/train_compare_<gpu>_<yyyymmdd>[_<tag>].{json,md}``: loss curves, tokens/s (median
 after --warmup steps), MFU and peak memory per rank; the first run is the one the others are
 compared with.
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import statistics
 import sys
@@ -23,23 +22,15 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import _common as C
 
+from cce_parallel.train.metrics import read_metrics
+
 
 def read_run(run_dir: Path) -> dict:
     """meta (the last start's), train and eval records by step (the last record of each step wins)."""
-    meta, train, evals = None, {}, {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        if r["kind"] == "meta":
-            meta = r
-        elif r["kind"] == "train":
-            train[r["step"]] = r
-        elif r["kind"] == "eval":
-            evals[r["step"]] = r
-    if meta is None or not train:
-        raise ValueError(f"{run_dir}/metrics.jsonl holds no run (meta: {meta is not None}, steps: {len(train)})")
-    return {"dir": str(run_dir), "meta": meta, "train": train, "eval": evals}
+    m = read_metrics(run_dir / "metrics.jsonl")
+    if not m["meta"] or not m["train"]:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds no run (meta: {bool(m['meta'])}, steps: {len(m['train'])})")
+    return {"dir": str(run_dir), "meta": m["meta"][-1], "train": m["train"], "eval": m["eval"]}
 
 
 def run_label(meta: dict) -> str:
@@ -140,56 +131,6 @@ def render_md(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_png(data: dict, runs: list[dict], path: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as exc:  # noqa: BLE001
-        return f"matplotlib unavailable ({C.short_error(exc, 80)}): no PNG written"
-    fig, (ax_loss, ax_diff, ax_tps, ax_mem) = plt.subplots(1, 4, figsize=(22, 4.8))
-    for run, summary in zip(runs, data["runs"]):
-        steps = sorted(run["train"])
-        line, = ax_loss.plot(steps, [run["train"][s]["loss"] for s in steps], lw=1, label=f"{summary['label']} train")
-        if run["eval"]:
-            ev = sorted(run["eval"])
-            ax_loss.plot(ev, [run["eval"][s]["val_loss"] for s in ev], "o--", color=line.get_color(),
-                         label=f"{summary['label']} validation")
-        ax_tps.plot(steps, [run["train"][s]["tokens_per_s"] for s in steps], lw=1, label=summary["label"])
-    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
-    ax_loss.legend()
-    base = runs[0]
-    for run, summary in zip(runs[1:], data["runs"][1:]):
-        steps = sorted(set(base["train"]) & set(run["train"]))
-        ax_diff.plot(steps, [base["train"][s]["loss"] - run["train"][s]["loss"] for s in steps], lw=1,
-                     label=f"{data['runs'][0]['label']} − {summary['label']}")
-    ax_diff.axhline(0.0, color="gray", lw=0.5)
-    ax_diff.set(xlabel="step", ylabel="loss difference", title="train loss difference")
-    ax_diff.legend()
-    ax_tps.set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
-    ax_tps.set_ylim(bottom=0)
-    ax_tps.legend()
-    width = 0.8 / max(len(data["runs"]), 1)
-    for i, summary in enumerate(data["runs"]):
-        peaks = summary["peak_mem_per_rank"] or []
-        ax_mem.bar([r + i * width for r in range(len(peaks))], [p / 2**30 for p in peaks], width, label=summary["label"])
-    ax_mem.set(xlabel="rank", ylabel="GiB", title="peak memory per rank")
-    ax_mem.set_xticks([r + width * (len(data["runs"]) - 1) / 2 for r in range(len(data["runs"][0]["peak_mem_per_rank"] or []))],
-                      [str(r) for r in range(len(data["runs"][0]["peak_mem_per_rank"] or []))])
-    ax_mem.legend()
-    m = data["meta"]
-    first = data["runs"][0]
-    fig.suptitle(
-        f"{first['params'] / 1e6:,.1f}M-parameter GPT, vocabulary {first['vocab']:,}: loss layers compared · "
-        f"{m['device']} x {first['layout']['world']} · {m['date'][:10]} · {m['git_commit'][:12]}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", nargs="+", required=True, help="run directories (each with metrics.jsonl)")
@@ -225,11 +166,8 @@ def main(argv=None) -> int:
     stem = Path(args.out) / (f"train_compare_{meta['gpu']}_{day}" + (f"_{args.tag}" if args.tag else ""))
     C.write_json(stem.with_suffix(".json"), data)
     stem.with_suffix(".md").write_text(render_md(data))
-    note = render_png(data, runs, stem.with_suffix(".png"))
     print(stem.with_suffix(".md").read_text())
-    if note:
-        print(note)
-    print(f"wrote {stem}.{{json,md{',png' if not note else ''}}}")
+    print(f"wrote {stem}.{{json,md}}")
     return 0 if all(math.isfinite(s["final_loss_mean20"]) for s in summaries) else 1
 
 
