@@ -572,6 +572,16 @@ def fmt_err(x, missing: str = "–") -> str:
     return fmt_num(x, ".1e", missing)
 
 
+def md_row(cells) -> str:
+    """One line of a Markdown table (a | in a cell becomes /)."""
+    return "| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |"
+
+
+def md_table(header: list[str], rows) -> list[str]:
+    """The lines of a Markdown table: the header, its rule, a line per row of cells."""
+    return [md_row(header), "|" + "---|" * len(header), *(md_row(r) for r in rows)]
+
+
 def load_results(files: list[str]) -> list[dict]:
     return [json.loads(Path(f).read_text()) for f in files]
 

@@ -385,10 +385,6 @@ def over_base_paired(cs: dict, meta: dict) -> list[tuple[str, str, float]]:
     return out
 
 
-def _row(cells) -> str:
-    return "| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |"
-
-
 def render_markdown(data: dict) -> str:
     meta, get = data["meta"], C.get
     lines = ["# Loss + gradient on one GPU: cce_parallel next to its peers", "",
@@ -440,7 +436,7 @@ def render_markdown(data: dict) -> str:
             status = r.get("status", "?")
             if status != "ok":
                 status = f"{status}{' (' + r['stage'] + ')' if r.get('stage') else ''}: {r.get('error', '')[:100]}"
-            lines.append(_row([
+            lines.append(C.md_row([
                 r.get("label", k), C.fmt_num(get(r, "fwd", "median_ms"), ".2f"), C.fmt_mib(get(r, "fwd_mem_bytes")),
                 C.fmt_num(get(r, "fwd_bwd", "median_ms"), ".2f"), C.fmt_num(get(r, "fwd_bwd", "vs_compile_paired"), ".3f"),
                 C.fmt_mib(get(r, "fwd_bwd_mem_bytes")), C.fmt_num(get(r, "fwd_tflops"), ".0f"),
@@ -458,19 +454,17 @@ def render_markdown(data: dict) -> str:
         methods = [(k, lab) for k, lab in C.method_order(sweep)
                    if any(cs["methods"].get(k, {}).get("status") != "unavailable" for cs in sweep)]
         for regime in dict.fromkeys(cs["regime"] for cs in sweep):
-            lines += [f"### {regime}: fwd+bwd ms / fwd+bwd MiB (OOM, err: failed)", "",
-                      "| N | lower bound MiB | cuBLAS mm ms | " + " | ".join(lab for _, lab in methods) + " |",
-                      "|---|---|---|" + "---|" * len(methods)]
+            rows = []
             for cs in sorted([cs for cs in sweep if cs["regime"] == regime], key=lambda x: x["N"]):
-                cells = []
+                cells = [cs["N"], C.fmt_mib(cs["lower_bound_bytes"]), C.fmt_num(get(cs, "matmul", "ms"), ".2f")]
                 for k, _ in methods:
                     r = cs["methods"].get(k, {})
                     ms = get(r, "fwd_bwd", "median_ms")
                     cells.append({"oom": "OOM", "error": "err"}.get(r.get("status"), "–") if ms is None
                                  else f"{ms:.1f} / {C.fmt_mib(get(r, 'fwd_bwd_mem_bytes'))}")
-                lines.append(f"| {cs['N']} | {C.fmt_mib(cs['lower_bound_bytes'])} | "
-                             f"{C.fmt_num(get(cs, 'matmul', 'ms'), '.2f')} | " + " | ".join(cells) + " |")
-            lines.append("")
+                rows.append(cells)
+            lines += [f"### {regime}: fwd+bwd ms / fwd+bwd MiB (OOM, err: failed)", "",
+                      *C.md_table(["N", "lower bound MiB", "cuBLAS mm ms", *(lab for _, lab in methods)], rows), ""]
     for key, what in (("skipped_cases", "time budget: cases not run"), ("aborted", "run aborted")):
         if data.get(key):
             lines += [f"**{what}:** {data[key]}", ""]

@@ -543,7 +543,7 @@ def render_markdown(data: dict) -> str:
                          C.fmt_num(mem_ratio(cs, key, "megatron_fused") if ours else None, ".2f"),
                          C.fmt_err(C.get(r, "loss_rel_err")), C.fmt_err(C.get(r, "grad_e_rel_err")),
                          C.fmt_err(C.get(r, "grad_c_rel_err")), status]
-                lines.append("| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |")
+                lines.append(C.md_row(cells))
     if data.get("aborted"):
         lines += ["", f"**Run aborted:** {data['aborted']}"]
     if data.get("failures"):
