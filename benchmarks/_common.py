@@ -8,6 +8,7 @@ before the call; FLOPs 2·N·V·D forward, 6·N·V·D forward + backward.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import gc
 import json
@@ -85,6 +86,36 @@ def check_regimes(regimes: list[str]) -> None:
     for r in regimes:
         if r not in REGIMES:
             raise SystemExit(f"unknown regime {r!r}; known: {', '.join(REGIMES)}")
+
+
+def arg_parser(doc: str, *, regimes: str, methods: str, methods_help: str, warmup: int) -> argparse.ArgumentParser:
+    """The options bench_loss and bench_tp share; each adds its own."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--regimes", default=regimes, help=f"comma list from {', '.join(REGIMES)}")
+    p.add_argument("--methods", default=methods, help=methods_help)
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed calls before timing (after the accuracy call)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls; the median is reported")
+    p.add_argument("--rounds", type=int, default=5, help="fwd+bwd rounds over all methods (--repeats in all)")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; start nothing new after this")
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
+    p.add_argument("--tag", default=None, help="suffix of the output names: <gpu>_<yyyymmdd>[_tp]_<tag>")
+    p.add_argument("--commit", default=None, help="commit to record (where the tree has no .git)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (gloo for tp): tests the plumbing")
+    return p
+
+
+def parse_run_args(p: argparse.ArgumentParser, argv, smoke: dict) -> argparse.Namespace:
+    """Parse; with --cpu-smoke, every option of `smoke` left at its default takes its smoke value."""
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        for name, value in smoke.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+    args.rounds = max(1, min(args.rounds, args.repeats))
+    return args
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ reference (docs/performance.md and benchmarks/README.md give the method). Result
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 import time
@@ -126,7 +125,7 @@ def _torch_lce() -> Method:
                   info={"signature": str(inspect.signature(fn)), "mode": mode})
 
 
-def _ours(key: str, out: list, include_torch_impl: bool, baseline) -> None:
+def _ours(key: str, out: list, baseline) -> None:
     """`ours[:<impl>][@<budget>][/<upstream>]` (or `base...`, the --baseline package) into `out`."""
     prefix = key.split(":", 1)[0].split("/", 1)[0]
     if prefix == "base":
@@ -145,7 +144,7 @@ def _ours(key: str, out: list, include_torch_impl: bool, baseline) -> None:
         raise SystemExit(f"unknown upstream {upstream!r} in {key!r}: {', '.join(UPSTREAMS)}")
     upstream = upstream or None
     impl_part, budget_part, budget = C.parse_ours(key_spec)
-    wanted = [impl_part] if impl_part else [i for i in impls if i != "torch" or include_torch_impl]
+    wanted = [impl_part] if impl_part else [i for i in impls if i != "torch"]
     for impl in wanted:
         mkey = f"{prefix}:{impl}" + (f"@{budget_part}" if budget_part else "") + (f"/{upstream}" if upstream else "")
         if any(m.key == mkey for m in out):
@@ -183,7 +182,7 @@ def _ours(key: str, out: list, include_torch_impl: bool, baseline) -> None:
         out.append(Method(mkey, label, make, info={"impl": impl, "logits_budget": budget, "upstream": upstream}))
 
 
-def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> list[Method]:
+def build_methods(keys: list[str], baseline=None) -> list[Method]:
     """baseline: the package that `base[:...]` methods call (C.import_baseline), or None."""
     out: list[Method] = []
     for key in keys:
@@ -198,7 +197,7 @@ def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> l
         elif key == "torch_lce":
             out.append(_torch_lce())
         elif key in ("ours", "base") or key.startswith(("ours:", "base:")):
-            _ours(key, out, include_torch_impl, baseline)
+            _ours(key, out, baseline)
         else:
             raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, "
                              "ours, ours:<impl>, base, base:<impl>")
@@ -315,10 +314,9 @@ def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtyp
         e, c, t = C.make_inputs(shape, regime, dtype=dtype, device=device, seed=seed)
         stage = "softmax stats"
         out["softmax"] = C.softmax_stats(e, c, t, rows=1024)
-        if not args.no_errors:
-            stage = "fp32 reference"
-            ref = C.reference_loss_grads(e, c, t)
-            out["ref_loss"] = ref[0]
+        stage = "fp32 reference"
+        ref = C.reference_loss_grads(e, c, t)
+        out["ref_loss"] = ref[0]
         C.free_memory(device)
         stage = "cuBLAS matmul"
         mm = out["matmul"] = C.matmul_ms(shape, device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats)
@@ -502,40 +500,19 @@ def render(files: list[str], out: str | None, tag: str | None) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    methods_help = ("eager, compile, liger, cutce, torch_lce, "
+                    "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
+    p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
     p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD), or 'none'")
     p.add_argument("--tokens", type=int, default=C.DEFAULT_TOKENS, help="tokens N for the model shapes")
     p.add_argument("--sweep", default=DEFAULT_SWEEP, help="token counts of the sweep, 'none' to skip it")
     p.add_argument("--sweep-shape", default="gemma2-2b", help="model shape of the token sweep")
-    p.add_argument("--regimes", default="trained,random", help=f"comma list from {', '.join(C.REGIMES)}")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="eager, compile, liger, cutce, torch_lce, "
-                   "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
     p.add_argument("--baseline", default=None, metavar="REF_OR_DIR", help="the cce_parallel of base[...] methods: "
                    "a folder from `python -m benchmarks baseline`, or a git ref")
-    p.add_argument("--include-torch-impl", action="store_true", help="'ours' includes the pure-PyTorch impl")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (after the accuracy call)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls; the median is reported")
-    p.add_argument("--rounds", type=int, default=5, help="fwd+bwd rounds over all methods (--repeats in all)")
-    p.add_argument("--no-errors", action="store_true", help="skip the fp32 reference and the error columns")
-    p.add_argument("--dtype", default="bf16", choices=list(C.DTYPES))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=None, help="seconds; start nothing new after this")
-    p.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
-    p.add_argument("--tag", default=None, help="suffix of the output names: <gpu>_<yyyymmdd>_<tag>")
-    p.add_argument("--commit", default=None, help="commit to record (where the tree has no .git)")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: tests the plumbing")
-    args = p.parse_args(argv)
-    if args.cpu_smoke:  # defaults only: what the command line set stays
-        for name, default, smoke in (("shapes", ",".join(C.MODEL_SHAPES), ",".join(C.SMOKE_SHAPES)),
-                                     ("sweep", DEFAULT_SWEEP, "16,32,64"), ("sweep_shape", "gemma2-2b", "tiny-a"),
-                                     ("tokens", C.DEFAULT_TOKENS, 64), ("warmup", 2, 1), ("repeats", 10, 3),
-                                     ("methods", DEFAULT_METHODS, "eager,torch_lce,ours:torch")):
-            if getattr(args, name) == default:
-                setattr(args, name, smoke)
-    args.rounds = max(1, min(args.rounds, args.repeats))
-    return args
+    smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "sweep": "16,32,64", "sweep_shape": "tiny-a", "tokens": 64,
+             "warmup": 1, "repeats": 3, "methods": "eager,torch_lce,ours:torch"}
+    return C.parse_run_args(p, argv, smoke)
 
 
 def main(argv=None) -> int:
@@ -560,7 +537,7 @@ def main(argv=None) -> int:
     cases += [("sweep", sweep_base.with_tokens(n), r) for n in sweep_tokens for r in regimes]
 
     baseline = C.import_baseline(args.baseline) if args.baseline else None
-    methods = build_methods(C.csv_list(args.methods), args.include_torch_impl, baseline)
+    methods = build_methods(C.csv_list(args.methods), baseline)
     meta = C.run_metadata(device, args.commit)
     meta.update({
         "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,

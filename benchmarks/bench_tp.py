@@ -21,7 +21,6 @@ error that breaks the context stops the run (exit 3) after writing what was meas
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import os
 import shlex
@@ -225,9 +224,9 @@ class Inputs:
     e: torch.Tensor  # this rank's e: [s, b, D], or [s/t, b, D] under SP (leaf, requires grad)
     c: torch.Tensor  # this rank's classifier shard [V/t, D] (leaf, requires grad)
     t: torch.Tensor  # targets [s, b]
-    ref_loss: float | None
-    ref_ge: torch.Tensor | None  # fp32 reference ∇e rows matching e (flattened [rows, D])
-    ref_gc: torch.Tensor | None  # fp32 reference ∇c rows of this shard
+    ref_loss: float
+    ref_ge: torch.Tensor  # fp32 reference ∇e rows matching e (flattened [rows, D])
+    ref_gc: torch.Tensor  # fp32 reference ∇c rows of this shard
 
 
 def allocated(device) -> int | None:
@@ -263,10 +262,9 @@ def measure(m: Method, fn_builder: Callable, x: Inputs, d: Dist):
         loss = fwd_bwd()
         C.sync(d.device)
         res["loss"] = float(loss.detach().float())
-        if x.ref_ge is not None:
-            res["loss_rel_err"] = abs(res["loss"] - x.ref_loss) / abs(x.ref_loss)
-            res["grad_e_rel_err"] = C.rel_err(e.grad.reshape(-1, e.shape[-1]), x.ref_ge) if e.grad is not None else None
-            res["grad_c_rel_err"] = C.rel_err(c.grad, x.ref_gc) if c.grad is not None else None
+        res["loss_rel_err"] = abs(res["loss"] - x.ref_loss) / abs(x.ref_loss)
+        res["grad_e_rel_err"] = C.rel_err(e.grad.reshape(-1, e.shape[-1]), x.ref_ge) if e.grad is not None else None
+        res["grad_c_rel_err"] = C.rel_err(c.grad, x.ref_gc) if c.grad is not None else None
         del loss
         clear()
         stage = "fwd+bwd memory"
@@ -378,18 +376,18 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
         for x in (e, c, tg):  # seeded alike, but make sure: TP ranks must see identical inputs
             dist.broadcast(x, src=0)
         stats = C.softmax_stats(e, c, tg, rows=1024 if not args.cpu_smoke else 32) if d.lead else None
-        ref = None if args.no_errors else C.reference_loss_grads(e, c, tg)
+        ref = C.reference_loss_grads(e, c, tg)
         c_shard = c[lo:hi].clone().requires_grad_(True)
         targets, e_sb = tg.view(s, b), e.view(s, b, D)
-        ref_gc = ref[2][lo:hi].clone() if ref is not None else None
+        ref_gc = ref[2][lo:hi].clone()
         del c, tg
-        ref = (ref[0], ref[1]) if ref is not None else None
+        ref = (ref[0], ref[1])
         setup_s = time.perf_counter() - t0
         for sp in [sp for sp in args.sp_list if t > 1 or not sp]:
             rows = (s // t) * b if sp else N
             case = {"regime": regime, "tp": t, "sp": sp, "world": d.world, "groups": d.world // t, "N": N, "s": s,
                     "b": b, "V": V, "D": D, "V_shard": V_loc, "dtype": str(dtype).replace("torch.", ""), "seed": seed,
-                    "softmax": stats, "ref_loss": ref[0] if ref is not None else None, "setup_s": setup_s,
+                    "softmax": stats, "ref_loss": ref[0], "setup_s": setup_s,
                     "lower_bound_parts": {"grad_e": rows * D * elem, "grad_c_shard": V_loc * D * elem,
                                           "gathered_e": N * D * elem if sp else 0},
                     "flops_per_rank": 6.0 * N * V_loc * D, "methods": {}}
@@ -401,11 +399,11 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
                       flush=True)
             if sp:  # SP rank r holds token rows r·(s/t)·b ... of the flattened [s, b]
                 e_loc = e_sb[tp_rank * (s // t) : (tp_rank + 1) * (s // t)].clone()
-                ref_ge = ref[1][tp_rank * (s // t) * b : (tp_rank + 1) * (s // t) * b] if ref is not None else None
+                ref_ge = ref[1][tp_rank * (s // t) * b : (tp_rank + 1) * (s // t) * b]
             else:
                 e_loc = e_sb.clone()
-                ref_ge = ref[1] if ref is not None else None
-            x = Inputs(e_loc.requires_grad_(True), c_shard, targets, ref[0] if ref else None, ref_ge, ref_gc)
+                ref_ge = ref[1]
+            x = Inputs(e_loc.requires_grad_(True), c_shard, targets, ref[0], ref_ge, ref_gc)
             entries, alive = {}, []
             for m in methods:
                 entry = entries[m.key] = {"key": m.key, "label": m.label}
@@ -729,37 +727,19 @@ def gpt_step(args, d: Dist) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    p = C.arg_parser(__doc__, regimes="random", methods=DEFAULT_METHODS, warmup=3,
+                     methods_help="megatron, megatron_fused, ours, ours:<impl>[@<budget>]")
     p.add_argument("--tp", default="1,2,4", help="TP sizes; each must divide the world size (--gpt-step: one)")
     p.add_argument("--sp", default="off,on", help="sequence parallelism: off, on or off,on (on only for TP > 1)")
     p.add_argument("--shape", default="gemma2-2b", help=f"head (V, D): one of {', '.join(C.MODEL_SHAPES)}")
     p.add_argument("--seq", type=int, default=4096, help="s: sequence length (global); N = s·b")
     p.add_argument("--batch", type=int, default=2, help="b: micro-batch size")
-    p.add_argument("--regimes", default="random", help=f"comma list from {', '.join(C.REGIMES)}")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="megatron, megatron_fused, ours, ours:<impl>[@<budget>]")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (after the accuracy call)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls; the median is reported")
-    p.add_argument("--rounds", type=int, default=5, help="fwd+bwd rounds over all methods (--repeats in all)")
-    p.add_argument("--no-errors", action="store_true", help="skip the fp32 reference and the error columns")
-    p.add_argument("--dtype", default="bf16", choices=list(C.DTYPES))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=None, help="seconds; start no new method after this")
     p.add_argument("--nccl-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
-    p.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
-    p.add_argument("--tag", default=None, help="suffix of the output names: <gpu>_<yyyymmdd>_tp_<tag>")
-    p.add_argument("--commit", default=None, help="commit to record (where the tree has no .git)")
     p.add_argument("--gpt-step", action="store_true", help="one GPTModel step's peak memory, Megatron vs use_cce")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU with gloo: tests the plumbing")
-    args = p.parse_args(argv)
-    if args.cpu_smoke and not args.gpt_step:
-        for name, default, smoke in (("seq", 4096, 16), ("warmup", 3, 1), ("repeats", 10, 3),
-                                     ("methods", DEFAULT_METHODS, "megatron,megatron_fused,ours:torch")):
-            if getattr(args, name) == default:
-                setattr(args, name, smoke)
-    args.rounds = max(1, min(args.rounds, args.repeats))
-    return args
+    # under --gpt-step these change nothing: its smoke run is sized by --cpu-smoke alone
+    smoke = {"seq": 16, "warmup": 1, "repeats": 3, "methods": "megatron,megatron_fused,ours:torch"}
+    return C.parse_run_args(p, argv, smoke)
 
 
 def main(argv=None) -> int:
