@@ -1,22 +1,13 @@
 """Loss + gradient under tensor (vocabulary) parallelism: cce_parallel next to the Megatron path.
 
 The same global tokens at every TP size: e [s, b, D], a [V, D] classifier in equal contiguous row
-shards, targets [s, b]. The world is cut into groups of t consecutive ranks that all run the same
-work; the report is group 0's (time: its slowest rank; memory: the largest over all ranks).
-Methods: ``megatron`` (``ColumnParallelLinear`` + ``vocab_parallel_cross_entropy``, as GPTModel's
-output layer runs it), ``megatron_fused`` (+ ``fused_vocab_parallel_cross_entropy``) and
-``ours:<impl>[@<budget>]`` (``cce_parallel.linear_cross_entropy`` with ``tp_group``). SP only at t > 1.
-
-``--gpt-step`` answers the same question in a real Megatron step instead: the peak memory per rank
-of one GPTModel training step (DDP, bf16) with Megatron's output path and with ``use_cce``.
+shards, targets [s, b], in groups of t consecutive ranks; methods ``megatron``, ``megatron_fused``
+and ``ours:<impl>[@<budget>]`` (``tp_group``). ``--gpt-step``: one GPTModel step's peak memory per
+rank, Megatron's output path against ``use_cce``. benchmarks/README.md says what is measured.
 
     torchrun --nproc_per_node 4 benchmarks/bench_tp.py --tp 1,2,4 --out DIR --commit SHA
     torchrun --nproc_per_node 2 benchmarks/bench_tp.py --gpt-step --tp 2 --out DIR --commit SHA
     torchrun --nproc_per_node 2 benchmarks/bench_tp.py --cpu-smoke [--gpt-step]   # gloo: the plumbing
-
-Results: <out>/<gpu>_<yyyymmdd>_tp[_<tag>].{json,md} (``--gpt-step``: ``_megatron_memory``),
-rewritten by rank 0 after every method. Failures are recorded and the exit code is 1; a CUDA
-error that breaks the context stops the run (exit 3) after writing what was measured.
 """
 
 from __future__ import annotations
@@ -829,12 +820,6 @@ def main(argv=None) -> int:
         if fails:
             data["failures"] = fails
         save()
-        for cs in data["cases"]:
-            for key, r in cs["methods"].items():
-                vs_mega, vs_tp1 = ratios(data, cs, key)
-                print(f"{cs['regime']:<7} TP={cs['tp']} SP={'on ' if cs['sp'] else 'off'} {key:<28} "
-                      f"{C.fmt_num(_ms(r), '.2f'):>8} ms  x{C.fmt_num(vs_mega, '.2f')} megatron  "
-                      f"x{C.fmt_num(vs_tp1, '.2f')} tp1  {C.fmt_mib(r.get('mem_bytes'))} MiB  {r.get('status')}")
         print(f"[bench_tp] {data['elapsed_s']:.0f} s; wrote {stem}.json, {stem}.md", flush=True)
         if fails:
             print("[bench_tp] FAILURES:\n  " + "\n  ".join(fails), file=sys.stderr, flush=True)
