@@ -1,23 +1,12 @@
 """How far does each loss layer's memory let a real run go: the longest sequence, the largest micro-batch?
 
-For each loss.impl, launches the recipe (one torchrun launch per point, --steps steps) at growing
-settings, a list of (seq_length, micro_batch) points in the order given, and stops at the first
-that does not train (out of memory, or not done within --launch-timeout). Records tokens/s (median
-over the steps after the first) and peak memory per rank of every point that trained, and writes
-``OUT/train_sweep_<gpu>_<yyyymmdd>[_<tag>].{json,md}``: the largest point of each impl and the
-ratios to the first impl's (the one compared, CCE's by default).
+One torchrun launch of the recipe per (seq_length, micro_batch) point and loss.impl, up to each
+impl's first point that does not train; report OUT/train_sweep_<gpu>x<n>_<yyyymmdd>[_<tag>].{json,md}
+(benchmarks/README.md, `sweep`, says what is measured).
 
-    # the longest sequence at micro-batch 1 with full recomputation (Gemma 2 2B, tp1 x dp4)
-    python benchmarks/train_sweep.py --out OUT --seq 4096 8192 16384 32768 65536 131072 --mbs 1 \\
+    python benchmarks/train_sweep.py --out OUT --seq 4096 8192 16384 32768 65536 131072 --mbs 1 \
         --extra model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1
-    # the largest micro-batch at sequence 2048 without recomputation
     python benchmarks/train_sweep.py --out OUT --seq 2048 --mbs 4 8 12 16 24 --tag mbs
-
-Every impl runs with loss.softcap=null (megatron's loss has no softcap). Data: the offline
-stdlib text with an 8,192-token BPE; the model keeps the recipe's vocabulary. OUT/points.json
-gets each point as it finishes, so a launch cut short keeps what it had. CPU smoke test of the
-plumbing: --recipe recipes/tiny.yaml --nproc 2 --seq 64 128 --mbs 2 --steps 3 --extra
-data.vocab_size=1024 model.vocab_size=null
 """
 
 from __future__ import annotations
