@@ -118,9 +118,7 @@ def parse_run_args(p: argparse.ArgumentParser, argv, smoke: dict) -> argparse.Na
     return args
 
 
-# ----------------------------------------------------------------------------------------------
-# Inputs (the regimes are described in docs/performance.md and benchmarks/README.md)
-# ----------------------------------------------------------------------------------------------
+# ---- Inputs (the regimes are described in docs/performance.md and benchmarks/README.md) ----------
 
 C_INIT_STD = 0.02  # GPT-style init of the classifier
 SOFTMAX_EPS = 2.0**-12  # CCE's bf16 gradient-filter epsilon, whose mass we report
@@ -303,9 +301,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor, *, rows: int = 8192) -> float:
     return math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
 
 
-# ----------------------------------------------------------------------------------------------
-# Timing and memory
-# ----------------------------------------------------------------------------------------------
+# ---- Timing and memory ---------------------------------------------------------------------------
 
 
 def is_cuda(device) -> bool:
@@ -474,9 +470,7 @@ def matmul_ms(shape: Shape, *, device, dtype=torch.bfloat16, warmup=3, repeats=1
     return {"ms": med, "tflops": 2.0 * shape.N * shape.V * shape.D / (med * 1e-3) / 1e12}
 
 
-# ----------------------------------------------------------------------------------------------
-# Metadata and output
-# ----------------------------------------------------------------------------------------------
+# ---- Metadata and output -------------------------------------------------------------------------
 
 
 def gpu_slug(name: str) -> str:
@@ -617,9 +611,7 @@ def load_results(files: list[str]) -> list[dict]:
     return [json.loads(Path(f).read_text()) for f in files]
 
 
-# ----------------------------------------------------------------------------------------------
-# A baseline: cce_parallel as it was at another commit, imported beside this one
-# ----------------------------------------------------------------------------------------------
+# ---- A baseline: cce_parallel as it was at another commit, imported beside this one --------------
 
 BASELINE_PREFIX = "cce_parallel_"
 
