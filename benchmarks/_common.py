@@ -552,6 +552,13 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+def write_report(stem: Path, data: dict, markdown: str) -> list[str]:
+    """stem.json (strict JSON, without the keys that start with _) and stem.md; their paths."""
+    write_json(stem.with_suffix(".json"), {k: v for k, v in data.items() if not str(k).startswith("_")})
+    stem.with_suffix(".md").write_text(markdown)
+    return [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
+
+
 def as_float(x):
     """Undo _clean for numbers read back from JSON."""
     if isinstance(x, str):

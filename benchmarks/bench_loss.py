@@ -463,12 +463,6 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(data: dict, stem: Path) -> list[str]:
-    C.write_json(stem.with_suffix(".json"), data)
-    stem.with_suffix(".md").write_text(render_markdown(data))
-    return [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
-
-
 def render(files: list[str], out: str | None, tag: str | None) -> int:
     """Merge result files (later ones win for the same case) and write their .json/.md."""
     datas = C.load_results(files)
@@ -485,7 +479,7 @@ def render(files: list[str], out: str | None, tag: str | None) -> int:
             index[(cs["kind"], cs["shape"], cs["N"], cs["regime"])] = cs
     merged["cases"] = list(index.values())
     stem = C.out_stem(Path(out) if out else Path(files[0]).parent, merged["meta"], tag or "merged")
-    print("[bench_loss] wrote " + ", ".join(write_outputs(merged, stem)))
+    print("[bench_loss] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
     return 0
 
 
@@ -569,7 +563,7 @@ def main(argv=None) -> int:
                       f"  {C.fmt_mib(r.get('fwd_bwd_mem_bytes'))} MiB  dE {C.fmt_err(C.get(r, 'grad_e_rel_err'))}"
                       f"  dC {C.fmt_err(C.get(r, 'grad_c_rel_err'))}  {r.get('error', '')[:100]}", flush=True)
             data["elapsed_s"] = time.monotonic() - start
-            write_outputs(data, stem)  # partial results survive a killed run
+            C.write_report(stem, data, render_markdown(data))  # partial results survive a killed run
     except C.FatalCudaError as exc:
         data["aborted"] = f"fatal CUDA error, run stopped: {exc}"
         print(f"[bench_loss] {data['aborted']}", flush=True)
@@ -581,7 +575,7 @@ def main(argv=None) -> int:
         data["aborted"] = f"unexpected error, run stopped: {C.short_error(exc)}"
         rc = 4
     data["elapsed_s"] = time.monotonic() - start
-    written = write_outputs(data, stem)
+    written = C.write_report(stem, data, render_markdown(data))
     print(f"[bench_loss] {data['elapsed_s']:.0f} s; wrote " + ", ".join(written), flush=True)
     return rc
 

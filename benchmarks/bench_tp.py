@@ -534,13 +534,6 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(data: dict, stem: Path) -> list[str]:
-    clean = {k: v for k, v in data.items() if not k.startswith("_")}
-    C.write_json(stem.with_suffix(".json"), clean)
-    stem.with_suffix(".md").write_text(render_markdown(clean))
-    return [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
-
-
 def render(files: list[str], out: str | None, tag: str | None) -> int:
     """Merge per-launch result files (later ones win for the same case) into one report."""
     datas = C.load_results(files)
@@ -555,7 +548,7 @@ def render(files: list[str], out: str | None, tag: str | None) -> int:
     if any(d.get("aborted") for d in datas):
         merged["aborted"] = "; ".join(d["aborted"] for d in datas if d.get("aborted"))
     stem = C.out_stem(Path(out) if out else Path(files[0]).parent, meta, "tp" + (f"_{tag}" if tag else ""))
-    print("[bench_tp] wrote " + ", ".join(write_outputs(merged, stem)))
+    print("[bench_tp] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
     return 0
 
 
@@ -697,8 +690,7 @@ def gpt_step(args, d: Dist) -> int:
         data = {"meta": meta, "config": a, "world": d.world, "results": results}
         out = Path(args.out) if args.out else (C.SMOKE_OUT if args.cpu_smoke else C.RESULTS)
         stem = C.out_stem(out, meta, "megatron_memory" + (f"_{args.tag}" if args.tag else ""))
-        C.write_json(stem.with_suffix(".json"), data)
-        stem.with_suffix(".md").write_text(gpt_step_markdown(data))
+        C.write_report(stem, data, gpt_step_markdown(data))
         print(f"wrote {stem}.json and .md")
     dist.barrier()
     dist.destroy_process_group()
@@ -780,7 +772,7 @@ def main(argv=None) -> int:
     def save():
         if d.lead:
             data["elapsed_s"] = time.monotonic() - data["_start"]
-            write_outputs(data, stem)
+            C.write_report(stem, data, render_markdown(data))
 
     if d.lead:
         print(f"[bench_tp] {d.world} × {meta['device']} ({d.backend}) | torch {meta['torch']} | "

@@ -164,9 +164,8 @@ def main(argv=None) -> int:
                        for r, s in zip(runs, summaries)}}
     day = meta["date"][:10].replace("-", "")
     stem = Path(args.out) / (f"train_compare_{meta['gpu']}_{day}" + (f"_{args.tag}" if args.tag else ""))
-    C.write_json(stem.with_suffix(".json"), data)
-    stem.with_suffix(".md").write_text(render_md(data))
-    print(stem.with_suffix(".md").read_text())
+    C.write_report(stem, data, render_md(data))
+    print(render_md(data))
     print(f"wrote {stem}.{{json,md}}")
     return 0 if all(math.isfinite(s["final_loss_mean20"]) for s in summaries) else 1
 

@@ -206,8 +206,7 @@ def report(out: Path, recipe: str, note: str = "") -> int:
         summary["runs"][name] = {"launches": r["launches"],
                                  "tokens_per_s": tokens_per_s(r) if len(r["launches"]) == 1 else None, "first_grad_norms": ts}
     stem = out / f"train_resilience_{C.gpu_slug(gpu)}x{world}_{date}"
-    C.write_json(stem.with_suffix(".json"), summary)
-    stem.with_suffix(".md").write_text("\n".join(lines))
+    C.write_report(stem, summary, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

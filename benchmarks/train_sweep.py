@@ -127,8 +127,7 @@ def report(args, points: list[dict]) -> Path:
     summary = {"gpu": gpu, "world": world, "recipe": args.recipe, "commit": meta.get("commit"), "date": day.isoformat(),
                "command": args.argv, "largest": {k: {"seq": v["seq"], "mbs": v["mbs"]} for k, v in largest.items()},
                "points": [{k: v for k, v in p.items() if k != "meta"} for p in points]}
-    C.write_json(stem.with_suffix(".json"), summary)
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    C.write_report(stem, summary, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return stem
 
