@@ -247,16 +247,9 @@ def softmax_stats(e, c, t, *, rows: int = 1024, eps: float = SOFTMAX_EPS) -> dic
     del c32
     p_t, p_max, loss = (torch.cat(x).double() for x in (p_t, p_max, loss))
     n = idx.numel()
-    return {
-        "rows_sampled": n,
-        "eps": eps,
-        "frac_ge_eps": count / (n * V),
-        "entries_ge_eps_per_row": count / n,
-        "p_target_median": float(p_t.median()),
-        "p_target_mean": float(p_t.mean()),
-        "p_max_median": float(p_max.median()),
-        "loss_mean": float(loss.mean()),
-    }
+    return {"rows_sampled": n, "eps": eps, "frac_ge_eps": count / (n * V), "entries_ge_eps_per_row": count / n,
+            "p_target_median": float(p_t.median()), "p_target_mean": float(p_t.mean()),
+            "p_max_median": float(p_max.median()), "loss_mean": float(loss.mean())}
 
 
 @torch.no_grad()
@@ -515,19 +508,11 @@ def run_metadata(device, commit: str | None = None) -> dict:
         triton_version = None
     name = torch.cuda.get_device_name(device) if is_cuda(device) else (
         f"CPU ({platform.processor() or platform.machine()})")
-    return {
-        "device": name,
-        "gpu": gpu_slug(name),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "git_commit": commit or git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "hostname": platform.node(),
-        "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ},
-    }
+    return {"device": name, "gpu": gpu_slug(name), "torch": torch.__version__, "triton": triton_version,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "git_commit": commit or git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "hostname": platform.node(),
+            "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ}}
 
 
 def out_stem(out_dir: Path, meta: dict, tag: str | None) -> Path:

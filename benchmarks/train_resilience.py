@@ -34,14 +34,11 @@ from cce_parallel.train.metrics import read_metrics
 
 def common(args) -> list[str]:
     work = Path(args.work)
-    return [
-        f"run.out_dir={work / 'runs'}", "run.seed=1234",
-        "data.source=stdlib", "data.tokenizer=bpe", "data.vocab_size=8192", f"data.dir={work / 'data'}",
-        "model.vocab_size=256000",
-        f"train.steps={args.steps}", "train.micro_batch_size=4", f"train.global_batch_size={16 * args.nproc}",
-        "optim.warmup_steps=5", "eval.interval=0", "eval.iters=1", "logging.interval=5", "logging.wandb=disabled",
-        "checkpoint.keep=2", *args.extra,
-    ]
+    return [f"run.out_dir={work / 'runs'}", "run.seed=1234", "data.source=stdlib", "data.tokenizer=bpe",
+            "data.vocab_size=8192", f"data.dir={work / 'data'}", "model.vocab_size=256000", f"train.steps={args.steps}",
+            "train.micro_batch_size=4", f"train.global_batch_size={16 * args.nproc}", "optim.warmup_steps=5",
+            "eval.interval=0", "eval.iters=1", "logging.interval=5", "logging.wandb=disabled", "checkpoint.keep=2",
+            *args.extra]
 
 
 def launch(args, name: str, extra: list[str], *, signal_at: int | None = None) -> dict:
