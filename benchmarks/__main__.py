@@ -4,7 +4,7 @@
     tp       TP on every visible GPU against Megatron's output path: one torchrun launch of
              bench_tp.py per TP size (``--sizes 1,2,4``, ``--launch-timeout S``), then one merged report
     sweep    the train job at growing sequence lengths / micro-batches per loss.impl (train_sweep.py)
-    render   no GPU: merge result files of one kind and rewrite their .md (and .png); with
+    render   no GPU: merge result files of one kind and rewrite their .md; with
              ``--docs [--check]``, rewrite (or check) the generated blocks of README.md and docs/*.md
     baseline REF DIR   write cce_parallel as it is at git REF to DIR/cce_parallel_<sha>, for
              ``loss --baseline DIR/cce_parallel_<sha> --methods ours:...,base:...``

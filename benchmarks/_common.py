@@ -8,6 +8,7 @@ before the call; FLOPs 2·N·V·D forward, 6·N·V·D forward + backward.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import gc
 import json
@@ -87,9 +88,37 @@ def check_regimes(regimes: list[str]) -> None:
             raise SystemExit(f"unknown regime {r!r}; known: {', '.join(REGIMES)}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Inputs (the regimes are described in docs/performance.md and benchmarks/README.md)
-# ----------------------------------------------------------------------------------------------
+def arg_parser(doc: str, *, regimes: str, methods: str, methods_help: str, warmup: int) -> argparse.ArgumentParser:
+    """The options bench_loss and bench_tp share; each adds its own."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--regimes", default=regimes, help=f"comma list from {', '.join(REGIMES)}")
+    p.add_argument("--methods", default=methods, help=methods_help)
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed calls before timing (after the accuracy call)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls; the median is reported")
+    p.add_argument("--rounds", type=int, default=5, help="fwd+bwd rounds over all methods (--repeats in all)")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; start nothing new after this")
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
+    p.add_argument("--tag", default=None, help="suffix of the output names: <gpu>_<yyyymmdd>[_tp]_<tag>")
+    p.add_argument("--commit", default=None, help="commit to record (where the tree has no .git)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (gloo for tp): tests the plumbing")
+    return p
+
+
+def parse_run_args(p: argparse.ArgumentParser, argv, smoke: dict) -> argparse.Namespace:
+    """Parse; with --cpu-smoke, every option of `smoke` left at its default takes its smoke value."""
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        for name, value in smoke.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+    args.rounds = max(1, min(args.rounds, args.repeats))
+    return args
+
+
+# ---- Inputs (the regimes are described in docs/performance.md and benchmarks/README.md) ----------
 
 C_INIT_STD = 0.02  # GPT-style init of the classifier
 SOFTMAX_EPS = 2.0**-12  # CCE's bf16 gradient-filter epsilon, whose mass we report
@@ -218,16 +247,9 @@ def softmax_stats(e, c, t, *, rows: int = 1024, eps: float = SOFTMAX_EPS) -> dic
     del c32
     p_t, p_max, loss = (torch.cat(x).double() for x in (p_t, p_max, loss))
     n = idx.numel()
-    return {
-        "rows_sampled": n,
-        "eps": eps,
-        "frac_ge_eps": count / (n * V),
-        "entries_ge_eps_per_row": count / n,
-        "p_target_median": float(p_t.median()),
-        "p_target_mean": float(p_t.mean()),
-        "p_max_median": float(p_max.median()),
-        "loss_mean": float(loss.mean()),
-    }
+    return {"rows_sampled": n, "eps": eps, "frac_ge_eps": count / (n * V), "entries_ge_eps_per_row": count / n,
+            "p_target_median": float(p_t.median()), "p_target_mean": float(p_t.mean()),
+            "p_max_median": float(p_max.median()), "loss_mean": float(loss.mean())}
 
 
 @torch.no_grad()
@@ -272,9 +294,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor, *, rows: int = 8192) -> float:
     return math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
 
 
-# ----------------------------------------------------------------------------------------------
-# Timing and memory
-# ----------------------------------------------------------------------------------------------
+# ---- Timing and memory ---------------------------------------------------------------------------
 
 
 def is_cuda(device) -> bool:
@@ -443,9 +463,7 @@ def matmul_ms(shape: Shape, *, device, dtype=torch.bfloat16, warmup=3, repeats=1
     return {"ms": med, "tflops": 2.0 * shape.N * shape.V * shape.D / (med * 1e-3) / 1e12}
 
 
-# ----------------------------------------------------------------------------------------------
-# Metadata and output
-# ----------------------------------------------------------------------------------------------
+# ---- Metadata and output -------------------------------------------------------------------------
 
 
 def gpu_slug(name: str) -> str:
@@ -490,19 +508,11 @@ def run_metadata(device, commit: str | None = None) -> dict:
         triton_version = None
     name = torch.cuda.get_device_name(device) if is_cuda(device) else (
         f"CPU ({platform.processor() or platform.machine()})")
-    return {
-        "device": name,
-        "gpu": gpu_slug(name),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "git_commit": commit or git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "hostname": platform.node(),
-        "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ},
-    }
+    return {"device": name, "gpu": gpu_slug(name), "torch": torch.__version__, "triton": triton_version,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "git_commit": commit or git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "hostname": platform.node(),
+            "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ}}
 
 
 def out_stem(out_dir: Path, meta: dict, tag: str | None) -> Path:
@@ -525,6 +535,13 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
     tmp.replace(path)
+
+
+def write_report(stem: Path, data: dict, markdown: str) -> list[str]:
+    """stem.json (strict JSON, without the keys that start with _) and stem.md; their paths."""
+    write_json(stem.with_suffix(".json"), {k: v for k, v in data.items() if not str(k).startswith("_")})
+    stem.with_suffix(".md").write_text(markdown)
+    return [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
 
 
 def as_float(x):
@@ -572,13 +589,21 @@ def fmt_err(x, missing: str = "–") -> str:
     return fmt_num(x, ".1e", missing)
 
 
+def md_row(cells) -> str:
+    """One line of a Markdown table (a | in a cell becomes /)."""
+    return "| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |"
+
+
+def md_table(header: list[str], rows) -> list[str]:
+    """The lines of a Markdown table: the header, its rule, a line per row of cells."""
+    return [md_row(header), "|" + "---|" * len(header), *(md_row(r) for r in rows)]
+
+
 def load_results(files: list[str]) -> list[dict]:
     return [json.loads(Path(f).read_text()) for f in files]
 
 
-# ----------------------------------------------------------------------------------------------
-# A baseline: cce_parallel as it was at another commit, imported beside this one
-# ----------------------------------------------------------------------------------------------
+# ---- A baseline: cce_parallel as it was at another commit, imported beside this one --------------
 
 BASELINE_PREFIX = "cce_parallel_"
 

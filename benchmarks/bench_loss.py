@@ -3,14 +3,12 @@
 Per (shape, regime) and method: forward time, forward + backward time in rounds that run every
 method in turn, peak memory above the inputs, TFLOP/s, and loss / ∇E / ∇C error against an fp32
 reference (docs/performance.md and benchmarks/README.md give the method). Results:
-<out>/<gpu>_<yyyymmdd>[_<tag>].{json,md,png}, the JSON rewritten after every case.
+<out>/<gpu>_<yyyymmdd>[_<tag>].{json,md}, the JSON rewritten after every case.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -42,9 +40,7 @@ UPSTREAMS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------
-# Methods
-# ----------------------------------------------------------------------------------------------
+# ---- Methods -------------------------------------------------------------------------------------
 
 
 def eager_loss(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -54,7 +50,7 @@ def eager_loss(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> torch.Tenso
 @dataclass
 class Method:
     key: str  # short, used on the command line and in the printed table
-    label: str  # long, used in the Markdown table and the plot
+    label: str  # long, used in the Markdown table
     make: Callable[[], Callable] | None = None  # builds loss_fn(e, c, t) for one case
     unavailable: str | None = None
     info: dict = field(default_factory=dict)
@@ -127,7 +123,7 @@ def _torch_lce() -> Method:
                   info={"signature": str(inspect.signature(fn)), "mode": mode})
 
 
-def _ours(key: str, out: list, include_torch_impl: bool, baseline) -> None:
+def _ours(key: str, out: list, baseline) -> None:
     """`ours[:<impl>][@<budget>][/<upstream>]` (or `base...`, the --baseline package) into `out`."""
     prefix = key.split(":", 1)[0].split("/", 1)[0]
     if prefix == "base":
@@ -146,7 +142,7 @@ def _ours(key: str, out: list, include_torch_impl: bool, baseline) -> None:
         raise SystemExit(f"unknown upstream {upstream!r} in {key!r}: {', '.join(UPSTREAMS)}")
     upstream = upstream or None
     impl_part, budget_part, budget = C.parse_ours(key_spec)
-    wanted = [impl_part] if impl_part else [i for i in impls if i != "torch" or include_torch_impl]
+    wanted = [impl_part] if impl_part else [i for i in impls if i != "torch"]
     for impl in wanted:
         mkey = f"{prefix}:{impl}" + (f"@{budget_part}" if budget_part else "") + (f"/{upstream}" if upstream else "")
         if any(m.key == mkey for m in out):
@@ -184,7 +180,7 @@ def _ours(key: str, out: list, include_torch_impl: bool, baseline) -> None:
         out.append(Method(mkey, label, make, info={"impl": impl, "logits_budget": budget, "upstream": upstream}))
 
 
-def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> list[Method]:
+def build_methods(keys: list[str], baseline=None) -> list[Method]:
     """baseline: the package that `base[:...]` methods call (C.import_baseline), or None."""
     out: list[Method] = []
     for key in keys:
@@ -199,16 +195,14 @@ def build_methods(keys: list[str], include_torch_impl: bool, baseline=None) -> l
         elif key == "torch_lce":
             out.append(_torch_lce())
         elif key in ("ours", "base") or key.startswith(("ours:", "base:")):
-            _ours(key, out, include_torch_impl, baseline)
+            _ours(key, out, baseline)
         else:
             raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, "
                              "ours, ours:<impl>, base, base:<impl>")
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Measuring
-# ----------------------------------------------------------------------------------------------
+# ---- Measuring -----------------------------------------------------------------------------------
 
 
 def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, args, device):
@@ -316,10 +310,9 @@ def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtyp
         e, c, t = C.make_inputs(shape, regime, dtype=dtype, device=device, seed=seed)
         stage = "softmax stats"
         out["softmax"] = C.softmax_stats(e, c, t, rows=1024)
-        if not args.no_errors:
-            stage = "fp32 reference"
-            ref = C.reference_loss_grads(e, c, t)
-            out["ref_loss"] = ref[0]
+        stage = "fp32 reference"
+        ref = C.reference_loss_grads(e, c, t)
+        out["ref_loss"] = ref[0]
         C.free_memory(device)
         stage = "cuBLAS matmul"
         mm = out["matmul"] = C.matmul_ms(shape, device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats)
@@ -364,9 +357,7 @@ def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtyp
     C.free_memory(device)
 
 
-# ----------------------------------------------------------------------------------------------
-# Reports: Markdown and plot, from the JSON alone (so `render` can redo them)
-# ----------------------------------------------------------------------------------------------
+# ---- Reports: Markdown, from the JSON alone (so `render` can redo them) --------------------------
 
 
 def over_base_paired(cs: dict, meta: dict) -> list[tuple[str, str, float]]:
@@ -384,10 +375,6 @@ def over_base_paired(cs: dict, meta: dict) -> list[tuple[str, str, float]]:
         if ratio is not None:
             out.append((key, base, ratio))
     return out
-
-
-def _row(cells) -> str:
-    return "| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |"
 
 
 def render_markdown(data: dict) -> str:
@@ -441,7 +428,7 @@ def render_markdown(data: dict) -> str:
             status = r.get("status", "?")
             if status != "ok":
                 status = f"{status}{' (' + r['stage'] + ')' if r.get('stage') else ''}: {r.get('error', '')[:100]}"
-            lines.append(_row([
+            lines.append(C.md_row([
                 r.get("label", k), C.fmt_num(get(r, "fwd", "median_ms"), ".2f"), C.fmt_mib(get(r, "fwd_mem_bytes")),
                 C.fmt_num(get(r, "fwd_bwd", "median_ms"), ".2f"), C.fmt_num(get(r, "fwd_bwd", "vs_compile_paired"), ".3f"),
                 C.fmt_mib(get(r, "fwd_bwd_mem_bytes")), C.fmt_num(get(r, "fwd_tflops"), ".0f"),
@@ -459,123 +446,25 @@ def render_markdown(data: dict) -> str:
         methods = [(k, lab) for k, lab in C.method_order(sweep)
                    if any(cs["methods"].get(k, {}).get("status") != "unavailable" for cs in sweep)]
         for regime in dict.fromkeys(cs["regime"] for cs in sweep):
-            lines += [f"### {regime}: fwd+bwd ms / fwd+bwd MiB (OOM, err: failed)", "",
-                      "| N | lower bound MiB | cuBLAS mm ms | " + " | ".join(lab for _, lab in methods) + " |",
-                      "|---|---|---|" + "---|" * len(methods)]
+            rows = []
             for cs in sorted([cs for cs in sweep if cs["regime"] == regime], key=lambda x: x["N"]):
-                cells = []
+                cells = [cs["N"], C.fmt_mib(cs["lower_bound_bytes"]), C.fmt_num(get(cs, "matmul", "ms"), ".2f")]
                 for k, _ in methods:
                     r = cs["methods"].get(k, {})
                     ms = get(r, "fwd_bwd", "median_ms")
                     cells.append({"oom": "OOM", "error": "err"}.get(r.get("status"), "–") if ms is None
                                  else f"{ms:.1f} / {C.fmt_mib(get(r, 'fwd_bwd_mem_bytes'))}")
-                lines.append(f"| {cs['N']} | {C.fmt_mib(cs['lower_bound_bytes'])} | "
-                             f"{C.fmt_num(get(cs, 'matmul', 'ms'), '.2f')} | " + " | ".join(cells) + " |")
-            lines.append("")
+                rows.append(cells)
+            lines += [f"### {regime}: fwd+bwd ms / fwd+bwd MiB (OOM, err: failed)", "",
+                      *C.md_table(["N", "lower bound MiB", "cuBLAS mm ms", *(lab for _, lab in methods)], rows), ""]
     for key, what in (("skipped_cases", "time budget: cases not run"), ("aborted", "run aborted")):
         if data.get(key):
             lines += [f"**{what}:** {data[key]}", ""]
     return "\n".join(lines) + "\n"
 
 
-def render_png(data: dict, path: Path) -> str | None:
-    """fwd+bwd time and peak memory per method: a row of bars per regime, a row of lines for the sweep."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except Exception as exc:  # noqa: BLE001
-        return f"matplotlib unavailable ({C.short_error(exc, 80)}): no PNG written"
-    main = [cs for cs in data["cases"] if cs["kind"] == "main"]
-    sweep = [cs for cs in data["cases"] if cs["kind"] == "sweep"]
-    regimes = list(dict.fromkeys(cs["regime"] for cs in main))
-    nrows = len(regimes) + bool(sweep)
-    if nrows == 0:
-        return "nothing to plot"
-    fig, axes = plt.subplots(nrows, 2, figsize=(16, 4.6 * nrows), squeeze=False)
-    order = C.method_order(data["cases"])
-    colors = {k: plt.cm.tab10(i % 10) for i, (k, _) in enumerate(order)}
-    panels = [(("fwd_bwd", "median_ms"), "fwd+bwd ms", 1.0), (("fwd_bwd_mem_bytes",), "fwd+bwd peak MiB", C.MiB)]
-    for row, regime in enumerate(regimes):
-        cases = [cs for cs in main if cs["regime"] == regime]
-        keys = [k for k, _ in C.method_order(cases) if any(C.get(cs["methods"].get(k), "fwd_bwd", "median_ms")
-                                                            for cs in cases)]
-        width = 0.8 / max(1, len(keys))
-        for col, (metric, ylabel, scale) in enumerate(panels):
-            ax = axes[row][col]
-            for j, k in enumerate(keys):
-                pts = [(i + (j - (len(keys) - 1) / 2) * width, C.get(cs["methods"].get(k), *metric))
-                       for i, cs in enumerate(cases)]
-                pts = [(x, v / scale) for x, v in pts if v is not None]
-                ax.bar([x for x, _ in pts], [v for _, v in pts], width=width, color=colors[k])
-            # black: 3 × cuBLAS's logits matmul (time), the lower bound ∇E + ∇C (memory)
-            marks = [(i, 3 * C.get(cs, "matmul", "ms") if col == 0 else cs["lower_bound_bytes"] / C.MiB)
-                     for i, cs in enumerate(cases) if col or C.get(cs, "matmul", "ms")]
-            if marks:
-                ax.scatter(*zip(*marks), marker="_", s=400, color="black", zorder=5)
-            ax.set_yscale("log")
-            ax.set_xticks(range(len(cases)))
-            ax.set_xticklabels([f"{cs['shape']}\nV={cs['V']} D={cs['D']}" for cs in cases], fontsize=8)
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"{regime}, N={cases[0]['N']}: {ylabel}")
-            ax.grid(axis="y", alpha=0.3)
-    if sweep:
-        styles = ["-", "--", ":", "-."]
-        sweep_regimes = list(dict.fromkeys(cs["regime"] for cs in sweep))
-        for col, (metric, ylabel, scale) in enumerate(panels):
-            ax = axes[nrows - 1][col]
-            shown = sweep_regimes if col == 0 else sweep_regimes[:1]  # memory hardly depends on the regime
-            for ri, regime in enumerate(shown):
-                cases = sorted([cs for cs in sweep if cs["regime"] == regime], key=lambda x: x["N"])
-                for k, _ in C.method_order(cases):
-                    pts = [(cs["N"], C.get(cs["methods"].get(k), *metric)) for cs in cases]
-                    pts = [(n, v / scale) for n, v in pts if v is not None]
-                    if pts:
-                        ax.plot(*zip(*pts), styles[ri % 4], marker="o", ms=3, color=colors[k])
-            cases = sorted([cs for cs in sweep if cs["regime"] == sweep_regimes[0]], key=lambda x: x["N"])
-            marks = [(cs["N"], 3 * C.get(cs, "matmul", "ms") if col == 0 else cs["lower_bound_bytes"] / C.MiB)
-                     for cs in cases if col or C.get(cs, "matmul", "ms")]
-            if marks:
-                ax.plot(*zip(*marks), "k_", ms=14, mew=2)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("tokens N")
-            ax.set_ylabel(ylabel)
-            legend = ", ".join(f"{r} {styles[i % 4]}" for i, r in enumerate(shown))
-            ax.set_title(f"token sweep, {sweep[0]['shape']}: {ylabel} ({legend})")
-            ax.grid(alpha=0.3)
-    handles = [Patch(color=colors[k], label=lab) for k, lab in order
-               if any(cs["methods"].get(k, {}).get("status") != "unavailable" for cs in data["cases"])]
-    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False,
-               title="black: 3 × cuBLAS logits matmul (time), lower bound ∇E+∇C (memory)", title_fontsize=8)
-    meta = data["meta"]
-    fig.suptitle(f"{meta['device']} · torch {meta['torch']} · triton {meta['triton']} · "
-                 + (f"merged from {len(meta['sources'])} runs" if meta.get("sources") else meta["git_commit"][:12])
-                 + f" · {meta['date'][:10]}", fontsize=10)
-    legend_in = 0.25 * math.ceil(len(handles) / 4) + 0.45  # legend height in inches
-    fig.tight_layout(rect=(0, legend_in / (4.6 * nrows), 1, 0.98))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
-def write_outputs(data: dict, stem: Path, *, png: bool) -> list[str]:
-    C.write_json(stem.with_suffix(".json"), data)
-    stem.with_suffix(".md").write_text(render_markdown(data))
-    written = [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
-    if png:
-        msg = render_png(data, stem.with_suffix(".png"))
-        if msg:
-            print(f"[bench_loss] {msg}", flush=True)
-        else:
-            written.append(str(stem.with_suffix(".png")))
-    return written
-
-
-def render(files: list[str], out: str | None, tag: str | None, png: bool = True) -> int:
-    """Merge result files (later ones win for the same case) and write their .json/.md/.png."""
+def render(files: list[str], out: str | None, tag: str | None) -> int:
+    """Merge result files (later ones win for the same case) and write their .json/.md."""
     datas = C.load_results(files)
     merged: dict = {"meta": dict(datas[0]["meta"]), "cases": []}
     merged["meta"]["sources"] = [f"{Path(f).name} (commit {d['meta'].get('git_commit')}, {d['meta'].get('date')})"
@@ -590,50 +479,26 @@ def render(files: list[str], out: str | None, tag: str | None, png: bool = True)
             index[(cs["kind"], cs["shape"], cs["N"], cs["regime"])] = cs
     merged["cases"] = list(index.values())
     stem = C.out_stem(Path(out) if out else Path(files[0]).parent, merged["meta"], tag or "merged")
-    print("[bench_loss] wrote " + ", ".join(write_outputs(merged, stem, png=png)))
+    print("[bench_loss] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
     return 0
 
 
-# ----------------------------------------------------------------------------------------------
-# Main
-# ----------------------------------------------------------------------------------------------
+# ---- Main ----------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    methods_help = ("eager, compile, liger, cutce, torch_lce, "
+                    "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
+    p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
     p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD), or 'none'")
     p.add_argument("--tokens", type=int, default=C.DEFAULT_TOKENS, help="tokens N for the model shapes")
     p.add_argument("--sweep", default=DEFAULT_SWEEP, help="token counts of the sweep, 'none' to skip it")
     p.add_argument("--sweep-shape", default="gemma2-2b", help="model shape of the token sweep")
-    p.add_argument("--regimes", default="trained,random", help=f"comma list from {', '.join(C.REGIMES)}")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="eager, compile, liger, cutce, torch_lce, "
-                   "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
     p.add_argument("--baseline", default=None, metavar="REF_OR_DIR", help="the cce_parallel of base[...] methods: "
                    "a folder from `python -m benchmarks baseline`, or a git ref")
-    p.add_argument("--include-torch-impl", action="store_true", help="'ours' includes the pure-PyTorch impl")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (after the accuracy call)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls; the median is reported")
-    p.add_argument("--rounds", type=int, default=5, help="fwd+bwd rounds over all methods (--repeats in all)")
-    p.add_argument("--no-errors", action="store_true", help="skip the fp32 reference and the error columns")
-    p.add_argument("--dtype", default="bf16", choices=list(C.DTYPES))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=None, help="seconds; start nothing new after this")
-    p.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
-    p.add_argument("--tag", default=None, help="suffix of the output names: <gpu>_<yyyymmdd>_<tag>")
-    p.add_argument("--commit", default=None, help="commit to record (where the tree has no .git)")
-    p.add_argument("--no-png", action="store_true", help="skip the plot")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: tests the plumbing")
-    args = p.parse_args(argv)
-    if args.cpu_smoke:  # defaults only: what the command line set stays
-        for name, default, smoke in (("shapes", ",".join(C.MODEL_SHAPES), ",".join(C.SMOKE_SHAPES)),
-                                     ("sweep", DEFAULT_SWEEP, "16,32,64"), ("sweep_shape", "gemma2-2b", "tiny-a"),
-                                     ("tokens", C.DEFAULT_TOKENS, 64), ("warmup", 2, 1), ("repeats", 10, 3),
-                                     ("methods", DEFAULT_METHODS, "eager,torch_lce,ours:torch")):
-            if getattr(args, name) == default:
-                setattr(args, name, smoke)
-    args.rounds = max(1, min(args.rounds, args.repeats))
-    return args
+    smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "sweep": "16,32,64", "sweep_shape": "tiny-a", "tokens": 64,
+             "warmup": 1, "repeats": 3, "methods": "eager,torch_lce,ours:torch"}
+    return C.parse_run_args(p, argv, smoke)
 
 
 def main(argv=None) -> int:
@@ -658,7 +523,7 @@ def main(argv=None) -> int:
     cases += [("sweep", sweep_base.with_tokens(n), r) for n in sweep_tokens for r in regimes]
 
     baseline = C.import_baseline(args.baseline) if args.baseline else None
-    methods = build_methods(C.csv_list(args.methods), args.include_torch_impl, baseline)
+    methods = build_methods(C.csv_list(args.methods), baseline)
     meta = C.run_metadata(device, args.commit)
     meta.update({
         "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,
@@ -675,7 +540,7 @@ def main(argv=None) -> int:
     for m in methods:
         print(f"[bench_loss] method {m.key:<22} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
                                                               else ""), flush=True)
-    print(f"[bench_loss] {len(cases)} cases x {len(methods)} methods -> {stem}.{{json,md,png}}", flush=True)
+    print(f"[bench_loss] {len(cases)} cases x {len(methods)} methods -> {stem}.{{json,md}}", flush=True)
 
     start = time.monotonic()
     deadline = start + args.time_budget if args.time_budget else None
@@ -698,7 +563,7 @@ def main(argv=None) -> int:
                       f"  {C.fmt_mib(r.get('fwd_bwd_mem_bytes'))} MiB  dE {C.fmt_err(C.get(r, 'grad_e_rel_err'))}"
                       f"  dC {C.fmt_err(C.get(r, 'grad_c_rel_err'))}  {r.get('error', '')[:100]}", flush=True)
             data["elapsed_s"] = time.monotonic() - start
-            write_outputs(data, stem, png=False)  # partial results survive a killed run
+            C.write_report(stem, data, render_markdown(data))  # partial results survive a killed run
     except C.FatalCudaError as exc:
         data["aborted"] = f"fatal CUDA error, run stopped: {exc}"
         print(f"[bench_loss] {data['aborted']}", flush=True)
@@ -710,7 +575,7 @@ def main(argv=None) -> int:
         data["aborted"] = f"unexpected error, run stopped: {C.short_error(exc)}"
         rc = 4
     data["elapsed_s"] = time.monotonic() - start
-    written = write_outputs(data, stem, png=not args.no_png)
+    written = C.write_report(stem, data, render_markdown(data))
     print(f"[bench_loss] {data['elapsed_s']:.0f} s; wrote " + ", ".join(written), flush=True)
     return rc
 

@@ -1,27 +1,17 @@
 """Loss + gradient under tensor (vocabulary) parallelism: cce_parallel next to the Megatron path.
 
 The same global tokens at every TP size: e [s, b, D], a [V, D] classifier in equal contiguous row
-shards, targets [s, b]. The world is cut into groups of t consecutive ranks that all run the same
-work; the report is group 0's (time: its slowest rank; memory: the largest over all ranks).
-Methods: ``megatron`` (``ColumnParallelLinear`` + ``vocab_parallel_cross_entropy``, as GPTModel's
-output layer runs it), ``megatron_fused`` (+ ``fused_vocab_parallel_cross_entropy``) and
-``ours:<impl>[@<budget>]`` (``cce_parallel.linear_cross_entropy`` with ``tp_group``). SP only at t > 1.
-
-``--gpt-step`` answers the same question in a real Megatron step instead: the peak memory per rank
-of one GPTModel training step (DDP, bf16) with Megatron's output path and with ``use_cce``.
+shards, targets [s, b], in groups of t consecutive ranks; methods ``megatron``, ``megatron_fused``
+and ``ours:<impl>[@<budget>]`` (``tp_group``). ``--gpt-step``: one GPTModel step's peak memory per
+rank, Megatron's output path against ``use_cce``. benchmarks/README.md says what is measured.
 
     torchrun --nproc_per_node 4 benchmarks/bench_tp.py --tp 1,2,4 --out DIR --commit SHA
     torchrun --nproc_per_node 2 benchmarks/bench_tp.py --gpt-step --tp 2 --out DIR --commit SHA
     torchrun --nproc_per_node 2 benchmarks/bench_tp.py --cpu-smoke [--gpt-step]   # gloo: the plumbing
-
-Results: <out>/<gpu>_<yyyymmdd>_tp[_<tag>].{json,md} (``--gpt-step``: ``_megatron_memory``),
-rewritten by rank 0 after every method. Failures are recorded and the exit code is 1; a CUDA
-error that breaks the context stops the run (exit 3) after writing what was measured.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import os
 import shlex
@@ -113,9 +103,7 @@ def gather_objects(obj, d: Dist) -> list:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Methods
-# ----------------------------------------------------------------------------------------------
+# ---- Methods -------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -215,9 +203,7 @@ def make_loss_fn(m: Method, t: int, sp: bool, D: int, V: int, group, mcore, dtyp
     return meg
 
 
-# ----------------------------------------------------------------------------------------------
-# Measuring
-# ----------------------------------------------------------------------------------------------
+# ---- Measuring -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -225,9 +211,9 @@ class Inputs:
     e: torch.Tensor  # this rank's e: [s, b, D], or [s/t, b, D] under SP (leaf, requires grad)
     c: torch.Tensor  # this rank's classifier shard [V/t, D] (leaf, requires grad)
     t: torch.Tensor  # targets [s, b]
-    ref_loss: float | None
-    ref_ge: torch.Tensor | None  # fp32 reference ∇e rows matching e (flattened [rows, D])
-    ref_gc: torch.Tensor | None  # fp32 reference ∇c rows of this shard
+    ref_loss: float
+    ref_ge: torch.Tensor  # fp32 reference ∇e rows matching e (flattened [rows, D])
+    ref_gc: torch.Tensor  # fp32 reference ∇c rows of this shard
 
 
 def allocated(device) -> int | None:
@@ -263,10 +249,9 @@ def measure(m: Method, fn_builder: Callable, x: Inputs, d: Dist):
         loss = fwd_bwd()
         C.sync(d.device)
         res["loss"] = float(loss.detach().float())
-        if x.ref_ge is not None:
-            res["loss_rel_err"] = abs(res["loss"] - x.ref_loss) / abs(x.ref_loss)
-            res["grad_e_rel_err"] = C.rel_err(e.grad.reshape(-1, e.shape[-1]), x.ref_ge) if e.grad is not None else None
-            res["grad_c_rel_err"] = C.rel_err(c.grad, x.ref_gc) if c.grad is not None else None
+        res["loss_rel_err"] = abs(res["loss"] - x.ref_loss) / abs(x.ref_loss)
+        res["grad_e_rel_err"] = C.rel_err(e.grad.reshape(-1, e.shape[-1]), x.ref_ge) if e.grad is not None else None
+        res["grad_c_rel_err"] = C.rel_err(c.grad, x.ref_gc) if c.grad is not None else None
         del loss
         clear()
         stage = "fwd+bwd memory"
@@ -378,18 +363,18 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
         for x in (e, c, tg):  # seeded alike, but make sure: TP ranks must see identical inputs
             dist.broadcast(x, src=0)
         stats = C.softmax_stats(e, c, tg, rows=1024 if not args.cpu_smoke else 32) if d.lead else None
-        ref = None if args.no_errors else C.reference_loss_grads(e, c, tg)
+        ref = C.reference_loss_grads(e, c, tg)
         c_shard = c[lo:hi].clone().requires_grad_(True)
         targets, e_sb = tg.view(s, b), e.view(s, b, D)
-        ref_gc = ref[2][lo:hi].clone() if ref is not None else None
+        ref_gc = ref[2][lo:hi].clone()
         del c, tg
-        ref = (ref[0], ref[1]) if ref is not None else None
+        ref = (ref[0], ref[1])
         setup_s = time.perf_counter() - t0
         for sp in [sp for sp in args.sp_list if t > 1 or not sp]:
             rows = (s // t) * b if sp else N
             case = {"regime": regime, "tp": t, "sp": sp, "world": d.world, "groups": d.world // t, "N": N, "s": s,
                     "b": b, "V": V, "D": D, "V_shard": V_loc, "dtype": str(dtype).replace("torch.", ""), "seed": seed,
-                    "softmax": stats, "ref_loss": ref[0] if ref is not None else None, "setup_s": setup_s,
+                    "softmax": stats, "ref_loss": ref[0], "setup_s": setup_s,
                     "lower_bound_parts": {"grad_e": rows * D * elem, "grad_c_shard": V_loc * D * elem,
                                           "gathered_e": N * D * elem if sp else 0},
                     "flops_per_rank": 6.0 * N * V_loc * D, "methods": {}}
@@ -401,11 +386,11 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
                       flush=True)
             if sp:  # SP rank r holds token rows r·(s/t)·b ... of the flattened [s, b]
                 e_loc = e_sb[tp_rank * (s // t) : (tp_rank + 1) * (s // t)].clone()
-                ref_ge = ref[1][tp_rank * (s // t) * b : (tp_rank + 1) * (s // t) * b] if ref is not None else None
+                ref_ge = ref[1][tp_rank * (s // t) * b : (tp_rank + 1) * (s // t) * b]
             else:
                 e_loc = e_sb.clone()
-                ref_ge = ref[1] if ref is not None else None
-            x = Inputs(e_loc.requires_grad_(True), c_shard, targets, ref[0] if ref else None, ref_ge, ref_gc)
+                ref_ge = ref[1]
+            x = Inputs(e_loc.requires_grad_(True), c_shard, targets, ref[0], ref_ge, ref_gc)
             entries, alive = {}, []
             for m in methods:
                 entry = entries[m.key] = {"key": m.key, "label": m.label}
@@ -465,9 +450,7 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
         C.free_memory(d.device)
 
 
-# ----------------------------------------------------------------------------------------------
-# Reports (from the JSON alone, so `render` can redo them)
-# ----------------------------------------------------------------------------------------------
+# ---- Reports (from the JSON alone, so `render` can redo them) ------------------------------------
 
 
 def _ms(r: dict | None):
@@ -543,19 +526,12 @@ def render_markdown(data: dict) -> str:
                          C.fmt_num(mem_ratio(cs, key, "megatron_fused") if ours else None, ".2f"),
                          C.fmt_err(C.get(r, "loss_rel_err")), C.fmt_err(C.get(r, "grad_e_rel_err")),
                          C.fmt_err(C.get(r, "grad_c_rel_err")), status]
-                lines.append("| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |")
+                lines.append(C.md_row(cells))
     if data.get("aborted"):
         lines += ["", f"**Run aborted:** {data['aborted']}"]
     if data.get("failures"):
         lines += ["", "**Failures:**"] + [f"- {f}" for f in data["failures"]]
     return "\n".join(lines) + "\n"
-
-
-def write_outputs(data: dict, stem: Path) -> list[str]:
-    clean = {k: v for k, v in data.items() if not k.startswith("_")}
-    C.write_json(stem.with_suffix(".json"), clean)
-    stem.with_suffix(".md").write_text(render_markdown(clean))
-    return [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
 
 
 def render(files: list[str], out: str | None, tag: str | None) -> int:
@@ -572,13 +548,11 @@ def render(files: list[str], out: str | None, tag: str | None) -> int:
     if any(d.get("aborted") for d in datas):
         merged["aborted"] = "; ".join(d["aborted"] for d in datas if d.get("aborted"))
     stem = C.out_stem(Path(out) if out else Path(files[0]).parent, meta, "tp" + (f"_{tag}" if tag else ""))
-    print("[bench_tp] wrote " + ", ".join(write_outputs(merged, stem)))
+    print("[bench_tp] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
     return 0
 
 
-# ----------------------------------------------------------------------------------------------
-# --gpt-step: the peak memory of one megatron-core GPTModel training step
-# ----------------------------------------------------------------------------------------------
+# ---- --gpt-step: the peak memory of one megatron-core GPTModel training step ---------------------
 
 
 def gpt_step_measure(a, device, impl) -> dict:
@@ -716,50 +690,29 @@ def gpt_step(args, d: Dist) -> int:
         data = {"meta": meta, "config": a, "world": d.world, "results": results}
         out = Path(args.out) if args.out else (C.SMOKE_OUT if args.cpu_smoke else C.RESULTS)
         stem = C.out_stem(out, meta, "megatron_memory" + (f"_{args.tag}" if args.tag else ""))
-        C.write_json(stem.with_suffix(".json"), data)
-        stem.with_suffix(".md").write_text(gpt_step_markdown(data))
+        C.write_report(stem, data, gpt_step_markdown(data))
         print(f"wrote {stem}.json and .md")
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-# ----------------------------------------------------------------------------------------------
-# Main
-# ----------------------------------------------------------------------------------------------
+# ---- Main ----------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    p = C.arg_parser(__doc__, regimes="random", methods=DEFAULT_METHODS, warmup=3,
+                     methods_help="megatron, megatron_fused, ours, ours:<impl>[@<budget>]")
     p.add_argument("--tp", default="1,2,4", help="TP sizes; each must divide the world size (--gpt-step: one)")
     p.add_argument("--sp", default="off,on", help="sequence parallelism: off, on or off,on (on only for TP > 1)")
     p.add_argument("--shape", default="gemma2-2b", help=f"head (V, D): one of {', '.join(C.MODEL_SHAPES)}")
     p.add_argument("--seq", type=int, default=4096, help="s: sequence length (global); N = s·b")
     p.add_argument("--batch", type=int, default=2, help="b: micro-batch size")
-    p.add_argument("--regimes", default="random", help=f"comma list from {', '.join(C.REGIMES)}")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="megatron, megatron_fused, ours, ours:<impl>[@<budget>]")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (after the accuracy call)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls; the median is reported")
-    p.add_argument("--rounds", type=int, default=5, help="fwd+bwd rounds over all methods (--repeats in all)")
-    p.add_argument("--no-errors", action="store_true", help="skip the fp32 reference and the error columns")
-    p.add_argument("--dtype", default="bf16", choices=list(C.DTYPES))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=None, help="seconds; start no new method after this")
     p.add_argument("--nccl-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
-    p.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
-    p.add_argument("--tag", default=None, help="suffix of the output names: <gpu>_<yyyymmdd>_tp_<tag>")
-    p.add_argument("--commit", default=None, help="commit to record (where the tree has no .git)")
     p.add_argument("--gpt-step", action="store_true", help="one GPTModel step's peak memory, Megatron vs use_cce")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU with gloo: tests the plumbing")
-    args = p.parse_args(argv)
-    if args.cpu_smoke and not args.gpt_step:
-        for name, default, smoke in (("seq", 4096, 16), ("warmup", 3, 1), ("repeats", 10, 3),
-                                     ("methods", DEFAULT_METHODS, "megatron,megatron_fused,ours:torch")):
-            if getattr(args, name) == default:
-                setattr(args, name, smoke)
-    args.rounds = max(1, min(args.rounds, args.repeats))
-    return args
+    # under --gpt-step these change nothing: its smoke run is sized by --cpu-smoke alone
+    smoke = {"seq": 16, "warmup": 1, "repeats": 3, "methods": "megatron,megatron_fused,ours:torch"}
+    return C.parse_run_args(p, argv, smoke)
 
 
 def main(argv=None) -> int:
@@ -819,7 +772,7 @@ def main(argv=None) -> int:
     def save():
         if d.lead:
             data["elapsed_s"] = time.monotonic() - data["_start"]
-            write_outputs(data, stem)
+            C.write_report(stem, data, render_markdown(data))
 
     if d.lead:
         print(f"[bench_tp] {d.world} × {meta['device']} ({d.backend}) | torch {meta['torch']} | "
@@ -849,12 +802,6 @@ def main(argv=None) -> int:
         if fails:
             data["failures"] = fails
         save()
-        for cs in data["cases"]:
-            for key, r in cs["methods"].items():
-                vs_mega, vs_tp1 = ratios(data, cs, key)
-                print(f"{cs['regime']:<7} TP={cs['tp']} SP={'on ' if cs['sp'] else 'off'} {key:<28} "
-                      f"{C.fmt_num(_ms(r), '.2f'):>8} ms  x{C.fmt_num(vs_mega, '.2f')} megatron  "
-                      f"x{C.fmt_num(vs_tp1, '.2f')} tp1  {C.fmt_mib(r.get('mem_bytes'))} MiB  {r.get('status')}")
         print(f"[bench_tp] {data['elapsed_s']:.0f} s; wrote {stem}.json, {stem}.md", flush=True)
         if fails:
             print("[bench_tp] FAILURES:\n  " + "\n  ".join(fails), file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@
 # GPT-2's 50,257-row vocabulary (padded to 50,432), so the loss layers compute at GPT-2's size.
 # Layout: tensor 2 x data (NPROC / 2). Each run is one torchrun launch, killed after
 # LAUNCH_TIMEOUT seconds. Runs, data and checkpoints go to WORK_DIR; OUT_DIR receives each run's
-# metrics.jsonl, recipe.yaml and log, and train_compare_<gpu>_<date>.{json,md,png}.
+# metrics.jsonl, recipe.yaml and log, and train_compare_<gpu>_<date>.{json,md}.
 #
 # Environment (defaults): NPROC (4), STEPS (300), GBS (64), MBS (8), WARMUP (30), WORK_DIR
 # (/tmp/cce_train_compare), PYTHON (python3), LAUNCH_TIMEOUT (240), IMPLS ("cce_kahan_full_c

@@ -1,7 +1,7 @@
 """How does CCE's loss layer compare with megatron-core's in a real pretraining run?
 
 Reads the metrics.jsonl of runs of one recipe that differ in loss.impl (run_train_compare.sh) and
-writes ``OUT/train_compare_<gpu>_<yyyymmdd>[_<tag>].{json,md,png}``: loss curves, tokens/s (median
+writes ``OUT/train_compare_<gpu>_<yyyymmdd>[_<tag>].{json,md}``: loss curves, tokens/s (median
 after --warmup steps), MFU and peak memory per rank; the first run is the one the others are
 compared with.
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import statistics
 import sys
@@ -23,23 +22,15 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import _common as C
 
+from cce_parallel.train.metrics import read_metrics
+
 
 def read_run(run_dir: Path) -> dict:
     """meta (the last start's), train and eval records by step (the last record of each step wins)."""
-    meta, train, evals = None, {}, {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        if r["kind"] == "meta":
-            meta = r
-        elif r["kind"] == "train":
-            train[r["step"]] = r
-        elif r["kind"] == "eval":
-            evals[r["step"]] = r
-    if meta is None or not train:
-        raise ValueError(f"{run_dir}/metrics.jsonl holds no run (meta: {meta is not None}, steps: {len(train)})")
-    return {"dir": str(run_dir), "meta": meta, "train": train, "eval": evals}
+    m = read_metrics(run_dir / "metrics.jsonl")
+    if not m["meta"] or not m["train"]:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds no run (meta: {bool(m['meta'])}, steps: {len(m['train'])})")
+    return {"dir": str(run_dir), "meta": m["meta"][-1], "train": m["train"], "eval": m["eval"]}
 
 
 def run_label(meta: dict) -> str:
@@ -60,28 +51,17 @@ def summarize(run: dict, warmup: int) -> dict:
     last_eval = run["eval"][max(run["eval"])] if run["eval"] else None
     tail = [train[s]["loss"] for s in steps[-min(20, len(steps)):]]
     return {
-        "label": run_label(meta),
-        "run_dir": run["dir"],
-        "steps": len(steps),
+        "label": run_label(meta), "run_dir": run["dir"], "steps": len(steps),
         "tokens_per_step": meta["recipe"]["train"]["global_batch_size"] * meta["recipe"]["model"]["seq_length"],
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed),
         "step_time_ms_median": 1000 * statistics.median(r["step_time"] for r in timed),
         "mfu_median": statistics.median(mfus) if mfus else None,
-        "peak_mem_per_rank": peaks[-1] if peaks else None,
-        "peak_mem_max": max(peaks[-1]) if peaks else None,
-        "first_loss": train[steps[0]]["loss"],
-        "final_loss_mean20": sum(tail) / len(tail),
+        "peak_mem_per_rank": peaks[-1] if peaks else None, "peak_mem_max": max(peaks[-1]) if peaks else None,
+        "first_loss": train[steps[0]]["loss"], "final_loss_mean20": sum(tail) / len(tail),
         "final_val_loss": last_eval["val_loss"] if last_eval else None,
         "final_val_ppl": last_eval["val_ppl"] if last_eval else None,
-        "params": meta["params_total"],
-        "vocab": meta["vocab_size"],
-        "layout": meta["layout"],
-        "dtype": meta["dtype"],
-        "device_name": meta["device_name"],
-        "commit": meta.get("commit"),
-        "command": meta.get("command"),
-        "torch": meta.get("torch"),
-        "megatron_core": meta.get("megatron_core"),
+        "params": meta["params_total"], "vocab": meta["vocab_size"], "layout": meta["layout"], "dtype": meta["dtype"],
+        "device_name": meta["device_name"], **{k: meta.get(k) for k in ("commit", "command", "torch", "megatron_core")},
     }
 
 
@@ -89,105 +69,38 @@ def compare_losses(a: dict, b: dict) -> dict:
     common = sorted(set(a["train"]) & set(b["train"]))
     diffs = [a["train"][s]["loss"] - b["train"][s]["loss"] for s in common]
     evals = sorted(set(a["eval"]) & set(b["eval"]))
-    return {
-        "steps_compared": len(common),
-        "max_abs_diff": max((abs(d) for d in diffs), default=None),
-        "mean_diff_last50": statistics.mean(diffs[-50:]) if diffs else None,
-        "first_step_diff": diffs[0] if diffs else None,
-        "val_loss_diff": {s: a["eval"][s]["val_loss"] - b["eval"][s]["val_loss"] for s in evals},
-    }
+    return {"steps_compared": len(common), "max_abs_diff": max((abs(d) for d in diffs), default=None),
+            "mean_diff_last50": statistics.mean(diffs[-50:]) if diffs else None,
+            "first_step_diff": diffs[0] if diffs else None,
+            "val_loss_diff": {s: a["eval"][s]["val_loss"] - b["eval"][s]["val_loss"] for s in evals}}
 
 
 def render_md(data: dict) -> str:
-    m, runs = data["meta"], data["runs"]
-    lines = [
-        f"# Training with CCE vs megatron-core's loss layer: {m['device']} x {runs[0]['layout']['world']}",
-        "",
-        f"{m['date']} · commit `{m['git_commit']}` · torch {runs[0]['torch']} · megatron-core {runs[0]['megatron_core']}",
-        "",
-        (
-            f"Model: {runs[0]['params'] / 1e6:.1f}M parameters, vocabulary {runs[0]['vocab']:,} (padded), "
-            f"{runs[0]['dtype']}, layout tp {runs[0]['layout']['tp']} x pp {runs[0]['layout']['pp']} x dp "
-            f"{runs[0]['layout']['dp']}, {runs[0]['tokens_per_step']:,} tokens/step, {runs[0]['steps']} steps. "
-            f"Throughput: median over steps after {data['warmup']}."
-        ),
-        "",
-        "| loss layer | tokens/s | ms/step | MFU | peak memory per rank (GiB) | first loss | last-20 loss | val loss | val ppl |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    m, runs, r0 = data["meta"], data["runs"], data["runs"][0]
+    lines = [f"# Training with CCE vs megatron-core's loss layer: {m['device']} x {r0['layout']['world']}", "",
+             f"{m['date']} · commit `{m['git_commit']}` · torch {r0['torch']} · megatron-core {r0['megatron_core']}", "",
+             (f"Model: {r0['params'] / 1e6:.1f}M parameters, vocabulary {r0['vocab']:,} (padded), {r0['dtype']}, layout "
+              f"tp {r0['layout']['tp']} x pp {r0['layout']['pp']} x dp {r0['layout']['dp']}, "
+              f"{r0['tokens_per_step']:,} tokens/step, {r0['steps']} steps. "
+              f"Throughput: median over steps after {data['warmup']}."), ""]
+    rows = []
     for r in runs:
         peaks = " / ".join(f"{p / 2**30:.2f}" for p in r["peak_mem_per_rank"]) if r["peak_mem_per_rank"] else "–"
         mfu = f"{100 * r['mfu_median']:.1f}%" if r["mfu_median"] is not None else "–"
-        lines.append(
-            f"| {r['label']} | {r['tokens_per_s_median']:,.0f} | {r['step_time_ms_median']:.0f} | {mfu} | {peaks} | "
-            f"{r['first_loss']:.4f} | {r['final_loss_mean20']:.4f} | {C.fmt_num(r['final_val_loss'], '.4f')} | "
-            f"{C.fmt_num(r['final_val_ppl'], '.2f')} |"
-        )
+        rows.append([r["label"], f"{r['tokens_per_s_median']:,.0f}", f"{r['step_time_ms_median']:.0f}", mfu, peaks,
+                     f"{r['first_loss']:.4f}", f"{r['final_loss_mean20']:.4f}", C.fmt_num(r["final_val_loss"], ".4f"),
+                     C.fmt_num(r["final_val_ppl"], ".2f")])
+    lines += C.md_table(["loss layer", "tokens/s", "ms/step", "MFU", "peak memory per rank (GiB)", "first loss",
+                         "last-20 loss", "val loss", "val ppl"], rows)
     for pair in data["comparisons"]:
         c = pair["losses"]
-        lines += [
-            "",
-            (
-                f"{pair['a']} − {pair['b']}: first-step loss difference {C.fmt_num(c['first_step_diff'], '.2e')}, "
-                f"max |difference| over {c['steps_compared']} steps {C.fmt_num(c['max_abs_diff'], '.3f')}, "
-                f"mean difference over the last 50 steps {C.fmt_num(c['mean_diff_last50'], '.4f')}; validation "
-                f"loss differences {', '.join(f'step {s}: {d:+.4f}' for s, d in c['val_loss_diff'].items()) or '–'}."
-            ),
-        ]
-    lines += ["", f"Command: `{m['command']}`", ""]
-    for r in runs:
-        lines.append(f"- {r['label']}: `{r['command']}`")
+        val = ", ".join(f"step {s}: {d:+.4f}" for s, d in c["val_loss_diff"].items()) or "–"
+        lines += ["", (f"{pair['a']} − {pair['b']}: first-step loss difference {C.fmt_num(c['first_step_diff'], '.2e')}, "
+                       f"max |difference| over {c['steps_compared']} steps {C.fmt_num(c['max_abs_diff'], '.3f')}, "
+                       f"mean difference over the last 50 steps {C.fmt_num(c['mean_diff_last50'], '.4f')}; "
+                       f"validation loss differences {val}.")]
+    lines += ["", f"Command: `{m['command']}`", "", *(f"- {r['label']}: `{r['command']}`" for r in runs)]
     return "\n".join(lines) + "\n"
-
-
-def render_png(data: dict, runs: list[dict], path: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as exc:  # noqa: BLE001
-        return f"matplotlib unavailable ({C.short_error(exc, 80)}): no PNG written"
-    fig, (ax_loss, ax_diff, ax_tps, ax_mem) = plt.subplots(1, 4, figsize=(22, 4.8))
-    for run, summary in zip(runs, data["runs"]):
-        steps = sorted(run["train"])
-        line, = ax_loss.plot(steps, [run["train"][s]["loss"] for s in steps], lw=1, label=f"{summary['label']} train")
-        if run["eval"]:
-            ev = sorted(run["eval"])
-            ax_loss.plot(ev, [run["eval"][s]["val_loss"] for s in ev], "o--", color=line.get_color(),
-                         label=f"{summary['label']} validation")
-        ax_tps.plot(steps, [run["train"][s]["tokens_per_s"] for s in steps], lw=1, label=summary["label"])
-    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
-    ax_loss.legend()
-    base = runs[0]
-    for run, summary in zip(runs[1:], data["runs"][1:]):
-        steps = sorted(set(base["train"]) & set(run["train"]))
-        ax_diff.plot(steps, [base["train"][s]["loss"] - run["train"][s]["loss"] for s in steps], lw=1,
-                     label=f"{data['runs'][0]['label']} − {summary['label']}")
-    ax_diff.axhline(0.0, color="gray", lw=0.5)
-    ax_diff.set(xlabel="step", ylabel="loss difference", title="train loss difference")
-    ax_diff.legend()
-    ax_tps.set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
-    ax_tps.set_ylim(bottom=0)
-    ax_tps.legend()
-    width = 0.8 / max(len(data["runs"]), 1)
-    for i, summary in enumerate(data["runs"]):
-        peaks = summary["peak_mem_per_rank"] or []
-        ax_mem.bar([r + i * width for r in range(len(peaks))], [p / 2**30 for p in peaks], width, label=summary["label"])
-    ax_mem.set(xlabel="rank", ylabel="GiB", title="peak memory per rank")
-    ax_mem.set_xticks([r + width * (len(data["runs"]) - 1) / 2 for r in range(len(data["runs"][0]["peak_mem_per_rank"] or []))],
-                      [str(r) for r in range(len(data["runs"][0]["peak_mem_per_rank"] or []))])
-    ax_mem.legend()
-    m = data["meta"]
-    first = data["runs"][0]
-    fig.suptitle(
-        f"{first['params'] / 1e6:,.1f}M-parameter GPT, vocabulary {first['vocab']:,}: loss layers compared · "
-        f"{m['device']} x {first['layout']['world']} · {m['date'][:10]} · {m['git_commit'][:12]}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
 
 
 def main(argv=None) -> int:
@@ -205,17 +118,11 @@ def main(argv=None) -> int:
         for s, r in zip(summaries, runs):
             s["label"] += f" ({r['meta']['recipe']['run']['name']})"
     device = summaries[0]["device_name"]
-    meta = {
-        "device": device,
-        "gpu": C.gpu_slug(device),
-        "git_commit": summaries[0]["commit"] or C.git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": args.command or " ".join([sys.executable, *sys.argv]),
-    }
-    comparisons = [
-        {"a": summaries[0]["label"], "b": s["label"], "losses": compare_losses(runs[0], r)}
-        for r, s in zip(runs[1:], summaries[1:])
-    ]
+    meta = {"device": device, "gpu": C.gpu_slug(device), "git_commit": summaries[0]["commit"] or C.git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "command": args.command or " ".join([sys.executable, *sys.argv])}
+    comparisons = [{"a": summaries[0]["label"], "b": s["label"], "losses": compare_losses(runs[0], r)}
+                   for r, s in zip(runs[1:], summaries[1:])]
     data = {"meta": meta, "warmup": args.warmup, "runs": summaries, "comparisons": comparisons,
             "curves": {s["label"]: {"loss": {k: v["loss"] for k, v in r["train"].items()},
                                     "tokens_per_s": {k: v["tokens_per_s"] for k, v in r["train"].items()},
@@ -223,13 +130,9 @@ def main(argv=None) -> int:
                        for r, s in zip(runs, summaries)}}
     day = meta["date"][:10].replace("-", "")
     stem = Path(args.out) / (f"train_compare_{meta['gpu']}_{day}" + (f"_{args.tag}" if args.tag else ""))
-    C.write_json(stem.with_suffix(".json"), data)
-    stem.with_suffix(".md").write_text(render_md(data))
-    note = render_png(data, runs, stem.with_suffix(".png"))
-    print(stem.with_suffix(".md").read_text())
-    if note:
-        print(note)
-    print(f"wrote {stem}.{{json,md{',png' if not note else ''}}}")
+    C.write_report(stem, data, render_md(data))
+    print(render_md(data))
+    print(f"wrote {stem}.{{json,md}}")
     return 0 if all(math.isfinite(s["final_loss_mean20"]) for s in summaries) else 1
 
 

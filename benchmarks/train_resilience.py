@@ -24,21 +24,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(1, str(ROOT))
+
+import _common as C
 
 from cce_parallel.train.metrics import read_metrics
 
 
 def common(args) -> list[str]:
     work = Path(args.work)
-    return [
-        f"run.out_dir={work / 'runs'}", "run.seed=1234",
-        "data.source=stdlib", "data.tokenizer=bpe", "data.vocab_size=8192", f"data.dir={work / 'data'}",
-        "model.vocab_size=256000",
-        f"train.steps={args.steps}", "train.micro_batch_size=4", f"train.global_batch_size={16 * args.nproc}",
-        "optim.warmup_steps=5", "eval.interval=0", "eval.iters=1", "logging.interval=5", "logging.wandb=disabled",
-        "checkpoint.keep=2", *args.extra,
-    ]
+    return [f"run.out_dir={work / 'runs'}", "run.seed=1234", "data.source=stdlib", "data.tokenizer=bpe",
+            "data.vocab_size=8192", f"data.dir={work / 'data'}", "model.vocab_size=256000", f"train.steps={args.steps}",
+            "train.micro_batch_size=4", f"train.global_batch_size={16 * args.nproc}", "optim.warmup_steps=5",
+            "eval.interval=0", "eval.iters=1", "logging.interval=5", "logging.wandb=disabled", "checkpoint.keep=2",
+            *args.extra]
 
 
 def launch(args, name: str, extra: list[str], *, signal_at: int | None = None) -> dict:
@@ -152,10 +152,10 @@ def report(out: Path, recipe: str, note: str = "") -> int:
     if "plain" in runs and "saving" in runs:
         plain, saving = tokens_per_s(runs["plain"]), tokens_per_s(runs["saving"])
         summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": saving, "ratio": saving / plain}
+        rows = [["no checkpoint", f"{plain:,.0f}", "1.000"],
+                [f"a checkpoint every {_interval(runs['saving'])} steps", f"{saving:,.0f}", f"{saving / plain:.3f}"]]
         lines += ["## Background checkpoints", "", "Tokens/s from the end of step 1 to the end of the last, wall clock:",
-                  "", "| run | tokens/s | ratio |", "|---|---|---|",
-                  f"| no checkpoint | {plain:,.0f} | 1.000 |",
-                  f"| a checkpoint every {_interval(runs['saving'])} steps | {saving:,.0f} | {saving / plain:.3f} |", ""]
+                  "", *C.md_table(["run", "tokens/s", "ratio"], rows), ""]
         lines += _checkpoint_table(runs["saving"])
     if "signal" in runs:
         run = runs["signal"]
@@ -188,8 +188,7 @@ def report(out: Path, recipe: str, note: str = "") -> int:
                                   "exits": [x["exit"] for x in sig.get("launches", [])], "resumed_at": resumed_at}
         lines += ["## Deterministic mode (train.deterministic: true)", "",
                   f"Per-step loss and gradient norm over {len(steps)} steps, compared bit for bit with {ref}:", "",
-                  f"| run | bitwise equal to {ref} |", "|---|---|"]
-        lines += [f"| {n} | {'yes' if same[n] else 'NO'} |" for n in det]
+                  *C.md_table(["run", f"bitwise equal to {ref}"], [[n, "yes" if same[n] else "NO"] for n in det])]
         if sig:
             lines += ["", (f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
                           f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}.")]
@@ -203,36 +202,31 @@ def report(out: Path, recipe: str, note: str = "") -> int:
         # One launch: a wall-clock span; a restart's records follow a gap.
         summary["runs"][name] = {"launches": r["launches"],
                                  "tokens_per_s": tokens_per_s(r) if len(r["launches"]) == 1 else None, "first_grad_norms": ts}
-    stem = out / f"train_resilience_{_gpu_tag(gpu, world)}_{date}"
-    stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    stem.with_suffix(".md").write_text("\n".join(lines))
+    stem = out / f"train_resilience_{C.gpu_slug(gpu)}x{world}_{date}"
+    C.write_report(stem, summary, "\n".join(lines))
     print("\n".join(lines))
     return 0
 
 
 def _checkpoint_table(run: dict) -> list[str]:
-    lines = [("| step | GB | training blocked s (waiting for the previous save) | staging s | background write s "
-             "| GB/s (write) | meta.json + rename s | pruning s |"),
-             "|---|---|---|---|---|---|---|---|"]
+    rows = []
     done, begun = run["checkpoint"], run["checkpoint_start"]
     for k in sorted(set(done) | set(begun), key=int):
         started, c = begun.get(k, {}), done.get(k)
         if c is None:
-            lines.append(f"| {k} | | {started['blocked_s']:.2f} ({started['waited_s']:.2f}) | not completed | | | | |")
+            rows.append([k, "", f"{started['blocked_s']:.2f} ({started['waited_s']:.2f})", "not completed", "", "", "", ""])
             continue
-        lines.append(f"| {k} | {c['bytes'] / 1e9:.1f} | {started.get('blocked_s', c['blocked_s']):.2f} "
-                     f"({started.get('waited_s', 0.0):.2f}) | {c['stage_s']:.2f} | {c['total_s'] - c['blocked_s']:.1f} "
-                     f"| {c['write_gb_per_s']:.2f} | {c['publish_s']:.2f} | {c.get('prune_s', 0.0):.2f} |")
-    return lines + [""]
+        rows.append([k, f"{c['bytes'] / 1e9:.1f}",
+                     f"{started.get('blocked_s', c['blocked_s']):.2f} ({started.get('waited_s', 0.0):.2f})",
+                     f"{c['stage_s']:.2f}", f"{c['total_s'] - c['blocked_s']:.1f}", f"{c['write_gb_per_s']:.2f}",
+                     f"{c['publish_s']:.2f}", f"{c.get('prune_s', 0.0):.2f}"])
+    header = ["step", "GB", "training blocked s (waiting for the previous save)", "staging s", "background write s",
+              "GB/s (write)", "meta.json + rename s", "pruning s"]
+    return [*C.md_table(header, rows), ""]
 
 
 def _interval(run: dict) -> int:
     return run["meta"]["recipe"]["checkpoint"]["interval"]
-
-
-def _gpu_tag(name: str, world: int) -> str:
-    tag = next((t for t in ("h200", "h100", "a100", "b200") if t in name.lower()), "gpu")
-    return f"{tag}x{world}"
 
 
 def main(argv=None) -> int:

@@ -1,23 +1,12 @@
 """How far does each loss layer's memory let a real run go: the longest sequence, the largest micro-batch?
 
-For each loss.impl, launches the recipe (one torchrun launch per point, --steps steps) at growing
-settings, a list of (seq_length, micro_batch) points in the order given, and stops at the first
-that does not train (out of memory, or not done within --launch-timeout). Records tokens/s (median
-over the steps after the first) and peak memory per rank of every point that trained, and writes
-``OUT/train_sweep_<gpu>_<yyyymmdd>[_<tag>].{json,md}``: the largest point of each impl and the
-ratios to the first impl's (the one compared, CCE's by default).
+One torchrun launch of the recipe per (seq_length, micro_batch) point and loss.impl, up to each
+impl's first point that does not train; report OUT/train_sweep_<gpu>x<n>_<yyyymmdd>[_<tag>].{json,md}
+(benchmarks/README.md, `sweep`, says what is measured).
 
-    # the longest sequence at micro-batch 1 with full recomputation (Gemma 2 2B, tp1 x dp4)
-    python benchmarks/train_sweep.py --out OUT --seq 4096 8192 16384 32768 65536 131072 --mbs 1 \\
+    python benchmarks/train_sweep.py --out OUT --seq 4096 8192 16384 32768 65536 131072 --mbs 1 \
         --extra model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1
-    # the largest micro-batch at sequence 2048 without recomputation
     python benchmarks/train_sweep.py --out OUT --seq 2048 --mbs 4 8 12 16 24 --tag mbs
-
-Every impl runs with loss.softcap=null (megatron's loss has no softcap). Data: the offline
-stdlib text with an 8,192-token BPE; the model keeps the recipe's vocabulary. OUT/points.json
-gets each point as it finishes, so a launch cut short keeps what it had. CPU smoke test of the
-plumbing: --recipe recipes/tiny.yaml --nproc 2 --seq 64 128 --mbs 2 --steps 3 --extra
-data.vocab_size=1024 model.vocab_size=null
 """
 
 from __future__ import annotations
@@ -33,7 +22,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(1, str(ROOT))
+
+import _common as C
 
 from cce_parallel.train.metrics import read_metrics
 
@@ -114,27 +106,28 @@ def report(args, points: list[dict]) -> Path:
     lines = [f"# The largest run each loss layer trains: {args.recipe}, {world}x {gpu}", "",
              (f"- commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
               f"{day.isoformat()}; tp {meta['layout']['tp']} x dp {meta['layout']['dp']}; loss.softcap null"),
-             f"- `python benchmarks/train_sweep.py {' '.join(args.argv)}`", "",
-             "| loss.impl | sequence | micro-batch | trained | tokens/s | peak memory per rank (GiB) |",
-             "|---|---|---|---|---|---|"]
-    for p in points:
-        lines.append(f"| {p['impl']} | {p['seq']:,} | {p['mbs']} | {'yes' if p['trained'] else p['why']} | "
-                     + (f"{p['tokens_per_s']:,.0f} | {(p['peak_mem_max'] or 0) / 2**30:.1f} |" if p["trained"] else "| |"))
-    lines += ["", "| loss.impl | largest (sequence x micro-batch) | tokens | " + f"{first}'s tokens over it |", "|---|---|---|---|"]
+             f"- `python benchmarks/train_sweep.py {' '.join(args.argv)}`", ""]
+    rows = [[p["impl"], f"{p['seq']:,}", p["mbs"], "yes" if p["trained"] else p["why"],
+             f"{p['tokens_per_s']:,.0f}" if p["trained"] else "",
+             f"{(p['peak_mem_max'] or 0) / 2**30:.1f}" if p["trained"] else ""] for p in points]
+    lines += C.md_table(["loss.impl", "sequence", "micro-batch", "trained", "tokens/s", "peak memory per rank (GiB)"],
+                        rows)
+    rows = []
     for impl in args.impls:
         p = largest.get(impl)
         if p is None:
-            lines.append(f"| {impl} | none trained | | |")
+            rows.append([impl, "none trained", "", ""])
             continue
         ratio = f"{ref['seq'] * ref['mbs'] / (p['seq'] * p['mbs']):.2f}" if ref else ""
-        lines.append(f"| {impl} | {p['seq']:,} x {p['mbs']} | {p['seq'] * p['mbs']:,} | {ratio} |")
-    tag = next((t for t in ("h200", "h100", "a100", "b200") if t in gpu.lower()), "gpu")
-    stem = Path(args.out) / f"train_sweep_{tag}x{world}_{day.strftime('%Y%m%d')}{'_' + args.tag if args.tag else ''}"
+        rows.append([impl, f"{p['seq']:,} x {p['mbs']}", f"{p['seq'] * p['mbs']:,}", ratio])
+    lines += ["", *C.md_table(["loss.impl", "largest (sequence x micro-batch)", "tokens", f"{first}'s tokens over it"],
+                              rows)]
+    name = f"train_sweep_{C.gpu_slug(gpu)}x{world}_{day.strftime('%Y%m%d')}" + (f"_{args.tag}" if args.tag else "")
+    stem = Path(args.out) / name
     summary = {"gpu": gpu, "world": world, "recipe": args.recipe, "commit": meta.get("commit"), "date": day.isoformat(),
                "command": args.argv, "largest": {k: {"seq": v["seq"], "mbs": v["mbs"]} for k, v in largest.items()},
                "points": [{k: v for k, v in p.items() if k != "meta"} for p in points]}
-    stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    C.write_report(stem, summary, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return stem
 
