@@ -1,7 +1,7 @@
 """How fast, how lean and how accurate is the loss + gradient on one GPU, next to the peers?
 
-Per (shape, regime) and method: forward time, forward + backward time in rounds that run every
-method in turn, peak memory above the inputs, TFLOP/s, and loss / ∇E / ∇C error against an fp32
+Per (shape, regime) and method: forward + backward time in rounds that run every method in turn,
+peak memory above the inputs, TFLOP/s, and loss / ∇E / ∇C error against an fp32
 reference (docs/performance.md and benchmarks/README.md give the method). Results:
 <out>/<gpu>_<yyyymmdd>[_<tag>].{json,md}, the JSON rewritten after every case.
 """
@@ -24,10 +24,7 @@ import torch.nn.functional as F
 
 DEFAULT_METHODS = "eager,compile,liger,cutce,torch_lce,ours"
 DEFAULT_SWEEP = "1024,2048,4096,8192,16384,32768,65536"
-FLOP_CONVENTION = (
-    "forward: 2·N·V·D FLOPs; forward+backward: 6·N·V·D FLOPs (logits, ∇E, ∇C), no credit for "
-    "recomputing the logits"
-)
+FLOP_CONVENTION = "forward+backward: 6·N·V·D FLOPs (logits, ∇E, ∇C), no credit for recomputing the logits"
 MEMORY_CONVENTION = (
     "peak torch.cuda.max_memory_allocated above memory_allocated just before the call, "
     "in MiB (2^20 B); the lower bound is the bytes of ∇E + ∇C"
@@ -205,7 +202,7 @@ def build_methods(keys: list[str], baseline=None) -> list[Method]:
 # ---- Measuring -----------------------------------------------------------------------------------
 
 
-def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, args, device):
+def measure_method(m: Method, e, c, t, ref, device):
     """Every measurement of one method but its forward + backward time (interleaved_fwd_bwd takes
     that); the first failure is recorded with what came before. Returns (result, loss_fn or None)."""
     res: dict = {"key": m.key, "label": m.label, "status": "ok"}
@@ -219,9 +216,6 @@ def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, arg
     stage, fn = "build", None
     try:
         fn = m.make()
-
-        def fwd():
-            return fn(e, c, t)
 
         def fwd_bwd():
             loss = fn(e, c, t)
@@ -241,16 +235,6 @@ def measure_method(m: Method, e, c, t, ref, mm: dict | None, shape: C.Shape, arg
         del loss
         clear_grads()
 
-        stage = "fwd"
-        times = C.time_ms(fwd, device=device, warmup=args.warmup, repeats=args.repeats, setup=clear_grads)
-        res["fwd"] = C.summarize_times(times)
-        res["fwd_tflops"] = 2.0 * shape.N * shape.V * shape.D / (res["fwd"]["median_ms"] * 1e-3) / 1e12
-        if mm is not None:
-            res["fwd_vs_matmul"] = mm["ms"] / res["fwd"]["median_ms"]
-        stage = "fwd memory"
-        clear_grads()
-        res["fwd_mem_bytes"] = C.peak_bytes(fwd, device=device)
-        clear_grads()
         stage = "fwd+bwd memory"
         clear_grads()
         res["fwd_bwd_mem_bytes"] = C.peak_bytes(fwd_bwd, device=device)
@@ -304,7 +288,7 @@ def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtyp
     sink.append(out)
     t0 = time.perf_counter()
     C.free_memory(device)
-    e = c = t = ref = mm = None
+    e = c = t = ref = None
     stage = "inputs"
     try:
         e, c, t = C.make_inputs(shape, regime, dtype=dtype, device=device, seed=seed)
@@ -315,7 +299,7 @@ def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtyp
         out["ref_loss"] = ref[0]
         C.free_memory(device)
         stage = "cuBLAS matmul"
-        mm = out["matmul"] = C.matmul_ms(shape, device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats)
+        out["matmul"] = C.matmul_ms(shape, device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats)
     except Exception as exc:  # noqa: BLE001 - e.g. OOM of the reference at a large N: say so, go on
         out.setdefault("setup_errors", {})[stage] = C.short_error(exc)
         print(f"  setup {stage}: {C.short_error(exc, 160)}", flush=True)
@@ -338,7 +322,7 @@ def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtyp
             continue
         t1 = time.perf_counter()
         try:
-            res, fn = measure_method(m, e, c, t, ref, mm, shape, args, device)
+            res, fn = measure_method(m, e, c, t, ref, device)
         except C.FatalCudaError as exc:
             out["methods"][m.key] = exc.result
             raise
@@ -395,7 +379,6 @@ def render_markdown(data: dict) -> str:
         f"backward in {meta.get('rounds', 1)} rounds over all methods, one warm-up call per method in each later round"),
         f"- FLOPs: {FLOP_CONVENTION}", f"- memory: {MEMORY_CONVENTION}",
         "- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference from the same inputs upcast",
-        "- fwd ×mm: cuBLAS matmul time of the logits over the method's forward time",
         ("- fwd+bwd ×compile, paired: per round, the method's median fwd+bwd time over torch.compile's in "
         "that round; the median of those ratios over the rounds (a clock drifting between rounds cancels)"),
         "", "Regimes:"]
@@ -419,9 +402,9 @@ def render_markdown(data: dict) -> str:
             head.append(f"cuBLAS logits matmul {mm['ms']:.2f} ms ({mm['tflops']:.0f} TFLOP/s)")
         lines += [f"### {cs['shape']} (N={cs['N']}, V={cs['V']}, D={cs['D']}), {cs['regime']}", "",
                   " · ".join(head), "",
-                  ("| method | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd ×compile, paired | fwd+bwd MiB | fwd TFLOP/s "
-                  "| fwd ×mm | fwd+bwd TFLOP/s | loss err | ∇E err | ∇C err | status |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  ("| method | fwd+bwd ms | fwd+bwd ×compile, paired | fwd+bwd MiB | fwd+bwd TFLOP/s "
+                  "| loss err | ∇E err | ∇C err | status |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
         for k, r in cs["methods"].items():
             if r.get("status") == "unavailable":
                 continue
@@ -429,10 +412,9 @@ def render_markdown(data: dict) -> str:
             if status != "ok":
                 status = f"{status}{' (' + r['stage'] + ')' if r.get('stage') else ''}: {r.get('error', '')[:100]}"
             lines.append(C.md_row([
-                r.get("label", k), C.fmt_num(get(r, "fwd", "median_ms"), ".2f"), C.fmt_mib(get(r, "fwd_mem_bytes")),
-                C.fmt_num(get(r, "fwd_bwd", "median_ms"), ".2f"), C.fmt_num(get(r, "fwd_bwd", "vs_compile_paired"), ".3f"),
-                C.fmt_mib(get(r, "fwd_bwd_mem_bytes")), C.fmt_num(get(r, "fwd_tflops"), ".0f"),
-                C.fmt_num(get(r, "fwd_vs_matmul"), ".2f"), C.fmt_num(get(r, "fwd_bwd_tflops"), ".0f"),
+                r.get("label", k), C.fmt_num(get(r, "fwd_bwd", "median_ms"), ".2f"),
+                C.fmt_num(get(r, "fwd_bwd", "vs_compile_paired"), ".3f"), C.fmt_mib(get(r, "fwd_bwd_mem_bytes")),
+                C.fmt_num(get(r, "fwd_bwd_tflops"), ".0f"),
                 C.fmt_err(get(r, "loss_rel_err")), C.fmt_err(get(r, "grad_e_rel_err")),
                 C.fmt_err(get(r, "grad_c_rel_err")), status]))
         lines.append("")
