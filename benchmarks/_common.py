@@ -99,7 +99,6 @@ def arg_parser(doc: str, *, regimes: str, methods: str, methods_help: str, warmu
     p.add_argument("--rounds", type=int, default=5, help="fwd+bwd rounds over all methods (--repeats in all)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=None, help="seconds; start nothing new after this")
     p.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
     p.add_argument("--tag", default=None, help="suffix of the output names: <gpu>_<yyyymmdd>[_tp]_<tag>")
     p.add_argument("--commit", default=None, help="commit to record (where the tree has no .git)")
@@ -633,22 +632,12 @@ def export_baseline(ref: str, out_dir: Path) -> Path:
 
 
 def import_baseline(spec: str):
-    """The baseline package: a folder written by export_baseline, or a git ref (exported to a
-    temporary folder first, for a checkout with its history)."""
-    import atexit
+    """The baseline package: a folder written by export_baseline."""
     import importlib
-    import shutil
-    import tempfile
 
     path = Path(spec)
     if not (path.is_dir() and path.name.startswith(BASELINE_PREFIX)):
-        tmp = tempfile.mkdtemp(prefix="cce_baseline_")
-        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-        try:
-            path = export_baseline(spec, Path(tmp))
-        except subprocess.CalledProcessError as err:
-            raise SystemExit(f"--baseline {spec!r}: neither a folder written by `python -m benchmarks baseline` "
-                             f"nor a git ref of this checkout ({err.stderr.strip()[:200]})") from None
+        raise SystemExit(f"--baseline {spec!r}: not a folder written by `python -m benchmarks baseline`")
     sys.path.insert(0, str(path.parent.resolve()))
     return importlib.import_module(path.name)
 

@@ -277,8 +277,7 @@ def interleaved_fwd_bwd(alive: list, e, c, t, shape: C.Shape, args, device, resu
             res["fwd_bwd"]["vs_compile_paired"] = C.paired_ratio(times, ref, sizes)
 
 
-def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtype, seed: int, deadline,
-             sink: list) -> None:
+def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtype, seed: int, sink: list) -> None:
     """Measure one case; its dict goes into ``sink`` first, so a fatal error keeps what was measured."""
     elem = torch.finfo(dtype).bits // 8
     out = {"kind": kind, "shape": shape.name, "N": shape.N, "V": shape.V, "D": shape.D, "regime": regime,
@@ -317,9 +316,6 @@ def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtyp
     c.requires_grad_(True)
     alive = []
     for m in methods:
-        if deadline is not None and time.monotonic() > deadline:
-            out["methods"][m.key] = {"key": m.key, "label": m.label, "status": "skipped", "error": "time budget"}
-            continue
         t1 = time.perf_counter()
         try:
             res, fn = measure_method(m, e, c, t, ref, device)
@@ -476,8 +472,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=C.DEFAULT_TOKENS, help="tokens N for the model shapes")
     p.add_argument("--sweep", default=DEFAULT_SWEEP, help="token counts of the sweep, 'none' to skip it")
     p.add_argument("--sweep-shape", default="gemma2-2b", help="model shape of the token sweep")
-    p.add_argument("--baseline", default=None, metavar="REF_OR_DIR", help="the cce_parallel of base[...] methods: "
-                   "a folder from `python -m benchmarks baseline`, or a git ref")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="the cce_parallel of base[...] methods: a folder from `python -m benchmarks baseline`")
     smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "sweep": "16,32,64", "sweep_shape": "tiny-a", "tokens": 64,
              "warmup": 1, "repeats": 3, "methods": "eager,torch_lce,ours:torch"}
     return C.parse_run_args(p, argv, smoke)
@@ -525,20 +521,15 @@ def main(argv=None) -> int:
     print(f"[bench_loss] {len(cases)} cases x {len(methods)} methods -> {stem}.{{json,md}}", flush=True)
 
     start = time.monotonic()
-    deadline = start + args.time_budget if args.time_budget else None
     if C.is_cuda(device):
         data["square_matmul"] = {"n": 8192, **C.matmul_ms(C.Shape("square", 8192, 8192, 8192), device=device,
                                                           dtype=dtype)}
     rc = 0
     try:
         for i, (kind, shape, regime) in enumerate(cases):
-            if deadline is not None and time.monotonic() > deadline:
-                data.setdefault("skipped_cases", []).append(
-                    {"kind": kind, "shape": shape.name, "N": shape.N, "regime": regime})
-                continue
             print(f"[{time.monotonic() - start:6.0f}s] case {i + 1}/{len(cases)}: {kind} {shape.label} {regime}",
                   flush=True)
-            run_case(kind, shape, regime, methods, args, device, dtype, args.seed + i, deadline, data["cases"])
+            run_case(kind, shape, regime, methods, args, device, dtype, args.seed + i, data["cases"])
             for r in data["cases"][-1]["methods"].values():
                 print(f"  {r['key']:<28} {r['status']:<6} f+b {C.fmt_num(C.get(r, 'fwd_bwd', 'median_ms'), '.2f')} ms"
                       f"  ×compile {C.fmt_num(C.get(r, 'fwd_bwd', 'vs_compile_paired'), '.3f')}"

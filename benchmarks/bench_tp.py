@@ -343,7 +343,7 @@ def init_megatron(mcore, t: int, tp_rank: int):
         return C.short_error(exc)
 
 
-def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: dict, save: Callable, deadline):
+def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: dict, save: Callable):
     s, b = args.seq, args.batch
     N, V, D = shape.N, shape.V, shape.D
     elem = torch.finfo(dtype).bits // 8
@@ -394,9 +394,7 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
             entries, alive = {}, []
             for m in methods:
                 entry = entries[m.key] = {"key": m.key, "label": m.label}
-                if any_rank(deadline is not None and time.monotonic() > deadline, d):
-                    entry.update(status="skipped", error="time budget")
-                elif m.unavailable:
+                if m.unavailable:
                     entry.update(status="unavailable", error=m.unavailable)
                 elif m.kind == "megatron" and mcore_ready is not True:
                     entry.update(status="error", error=f"initialize_model_parallel({t}): {mcore_ready}")
@@ -780,11 +778,10 @@ def main(argv=None) -> int:
         for m in methods:
             print(f"[bench_tp] method {m.key:<24} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
                                                                 else ""), flush=True)
-    deadline = data["_start"] + args.time_budget if args.time_budget else None
     rc = 0
     try:
         for t in tp_sizes:
-            run_tp(t, d, args, methods, mcore, dtype, shape, data, save, deadline)
+            run_tp(t, d, args, methods, mcore, dtype, shape, data, save)
     except C.FatalCudaError as exc:
         data["aborted"] = f"fatal CUDA error on rank {d.rank}, run stopped: {exc}"
         print(f"[bench_tp] {data['aborted']}", file=sys.stderr, flush=True)
