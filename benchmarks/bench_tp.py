@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -62,12 +61,6 @@ class Dist:
 
 
 def init_dist(cpu: bool, timeout_s: float) -> Dist:
-    if "RANK" not in os.environ:  # plain `python bench_tp.py`: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
-        os.environ.setdefault("MASTER_PORT", str(port))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     timeout = _dt.timedelta(seconds=timeout_s)
@@ -293,7 +286,6 @@ def timed_rounds(alive: list, x: Inputs, args, d: Dist, flops: float) -> None:
             res.update(C.failure(exc, "fwd+bwd"))
             fatal = fatal or (res["error"] if C.is_fatal_cuda_error(exc) else None)
         else:
-            res["times_ms"] = times
             res["fwd_bwd"] = C.summarize_times(times)
             res["tflops"] = flops / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
     if fatal is not None:
@@ -312,17 +304,11 @@ def combine(per_rank: list[dict], t: int) -> dict:
     if all(v is not None for v in meds[:t]):
         slowest = max(range(t), key=lambda r: meds[r])
         out["fwd_bwd"] = {**per_rank[slowest]["fwd_bwd"], "rank": slowest}
-        out["times_ms"] = per_rank[slowest].get("times_ms")
         out["tflops"] = per_rank[slowest]["tflops"]
-    out["per_rank_median_ms"] = meds
     for key in ("mem_bytes", "peak_bytes", "persistent_bytes", "loss_rel_err", "grad_e_rel_err", "grad_c_rel_err"):
         vals = [x.get(key) for x in per_rank if x.get(key) is not None]
         out[key] = max(vals) if vals else None
-    out["per_rank_mem_bytes"] = [x.get("mem_bytes") for x in per_rank]
-    losses = [x.get("loss") for x in per_rank if x.get("loss") is not None]
-    if losses:
-        out["loss"] = per_rank[0].get("loss", losses[0])
-        out["loss_spread"] = max(losses) - min(losses)
+    out["loss"] = per_rank[0].get("loss")
     return out
 
 
@@ -602,7 +588,7 @@ def gpt_step_measure(a, device, impl) -> dict:
         return loss.detach()
 
     step()  # warm-up: Triton kernels compiled, DDP buffers used once
-    peaks, absolute, times, base = [], [], [], None
+    peaks, times = [], []
     for _ in range(a["repeats"]):
         if cuda:
             torch.cuda.synchronize(device)
@@ -616,12 +602,10 @@ def gpt_step_measure(a, device, impl) -> dict:
             stop.record()
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.max_memory_allocated(device) - base)
-            absolute.append(torch.cuda.max_memory_allocated(device))
             times.append(start.elapsed_time(stop))
         else:
             times.append(1e3 * (time.perf_counter() - t0))
     return {"loss": float(loss), "step_peak_bytes": max(peaks) if peaks else None,
-            "absolute_peak_bytes": max(absolute) if absolute else None, "baseline_bytes": base,
             "step_ms": statistics.median(times)}
 
 
@@ -635,18 +619,16 @@ def gpt_step_markdown(data: dict) -> str:
              f"{'Megatron DDP (fp32 grads)' if a['ddp'] else 'no DDP'}, {'tied' if a.get('tied') else 'untied'} "
              f"embeddings. Megatron's bf16 logits alone are {C.fmt_mib(tokens * a['vocab'] // a['tp'] * 2)} MiB per rank."),
              "", ("MiB (2^20 B) per rank, max over ranks; step peak = max_memory_allocated above memory_allocated "
-             "just before the step; absolute = max_memory_allocated."), "",
-             "| path | step peak | absolute peak | baseline (params, buffers) | step ms | loss |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "just before the step."), "",
+             "| path | step peak | step ms | loss |", "|---|---:|---:|---:|"]
 
     def worst(rows, key):
         vals = [r[key] for r in rows if r.get(key) is not None]
         return max(vals) if vals else None
 
     for path, rows in data["results"].items():
-        lines.append(f"| {path} | {C.fmt_mib(worst(rows, 'step_peak_bytes'))} | "
-                     f"{C.fmt_mib(worst(rows, 'absolute_peak_bytes'))} | {C.fmt_mib(worst(rows, 'baseline_bytes'))} | "
-                     f"{C.fmt_num(worst(rows, 'step_ms'))} | {rows[0]['loss']:.4f} |")
+        lines.append(f"| {path} | {C.fmt_mib(worst(rows, 'step_peak_bytes'))} | {C.fmt_num(worst(rows, 'step_ms'))} | "
+                     f"{rows[0]['loss']:.4f} |")
     meg = data["results"].get("megatron")
     for path, rows in data["results"].items():
         m, c = (worst(meg, "step_peak_bytes") if meg else None), worst(rows, "step_peak_bytes")

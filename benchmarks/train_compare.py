@@ -123,11 +123,7 @@ def main(argv=None) -> int:
             "command": args.command or " ".join([sys.executable, *sys.argv])}
     comparisons = [{"a": summaries[0]["label"], "b": s["label"], "losses": compare_losses(runs[0], r)}
                    for r, s in zip(runs[1:], summaries[1:])]
-    data = {"meta": meta, "warmup": args.warmup, "runs": summaries, "comparisons": comparisons,
-            "curves": {s["label"]: {"loss": {k: v["loss"] for k, v in r["train"].items()},
-                                    "tokens_per_s": {k: v["tokens_per_s"] for k, v in r["train"].items()},
-                                    "val_loss": {k: v["val_loss"] for k, v in r["eval"].items()}}
-                       for r, s in zip(runs, summaries)}}
+    data = {"meta": meta, "warmup": args.warmup, "runs": summaries, "comparisons": comparisons}
     day = meta["date"][:10].replace("-", "")
     stem = Path(args.out) / (f"train_compare_{meta['gpu']}_{day}" + (f"_{args.tag}" if args.tag else ""))
     C.write_report(stem, data, render_md(data))
