@@ -234,9 +234,7 @@ def measure_method(m: Method, e, c, t, ref, device):
             res["grad_c_rel_err"] = C.rel_err(c.grad, ref_gc) if c.grad is not None else None
         del loss
         clear_grads()
-
         stage = "fwd+bwd memory"
-        clear_grads()
         res["fwd_bwd_mem_bytes"] = C.peak_bytes(fwd_bwd, device=device)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded, then the run goes on
         res.update(C.failure(exc, stage))

@@ -248,7 +248,6 @@ def measure(m: Method, fn_builder: Callable, x: Inputs, d: Dist):
         del loss
         clear()
         stage = "fwd+bwd memory"
-        clear()
         res["peak_bytes"] = C.peak_bytes(fwd_bwd, device=d.device)
         clear()
         C.free_memory(d.device)
