@@ -12,6 +12,7 @@ import difflib
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -25,6 +26,7 @@ H100 = "h100_20261126_5fb45df"  # the last full loss benchmark, one file per reg
 H200 = "h200_20261126_f353185"
 WEIGHTED = "h200_20261126"  # ours with per-token weights (commit 5285327)
 TP = "h200_20261126_tp_tp4"
+REPEAT = "h100_20261126_132cdde"  # the same loss code as H100's, another H100
 TRAIN_TP2DP2, TRAIN_1GPU = "train_compare_h100x4_20261126", "train_compare_h100_20261126"
 OURS, MASKED, WEIGHTS = "ours:cce_kahan_full_c", "ours:cce_kahan_full_c/masked", "ours:cce_kahan_full_c/weighted"
 
@@ -74,32 +76,69 @@ def mem(cs: dict, key: str) -> float:
     return cs["methods"][key]["fwd_bwd_mem_bytes"]
 
 
-def readme_measured() -> str:
+def wrap(text: str) -> str:
+    return textwrap.fill(text, 100, break_long_words=False, break_on_hyphens=False)
+
+
+def xs(vals, digits: int = 2) -> str:
+    return " / ".join(x(v, digits) for v in vals)
+
+
+def rng(vals, fmt: str = "{:.1f}", unit: str = "") -> str:
+    lo, hi = fmt.format(min(vals)), fmt.format(max(vals))
+    return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
+
+
+def col(stem: str, key: str, *path: str) -> list:
+    """[value at methods[key][path...] for each shape] of a loss result."""
+    out = []
+    for s in SHAPES:
+        v = cases(stem)[s]["methods"][key]
+        for p in path:
+            v = v[p]
+        out.append(v)
+    return out
+
+
+def spread(a: str, b: str) -> float:
+    """The largest difference, in %, between two full runs' paired ratios on trained data."""
+    return 100 * max(abs(p / q - 1) for p, q in zip(paired(f"{a}_trained"), paired(f"{b}_trained")))
+
+
+def tp_facts(stem: str = TP, regime: str = "trained") -> dict:
+    tp = {(cs["tp"], cs["sp"]): cs["methods"] for cs in load(stem)["cases"] if cs["regime"] == regime}
+
+    def t(k, m=OURS):
+        return tp[k][m]["fwd_bwd"]["median_ms"]
+
+    return {"x": xs(t((n, False), "megatron") / t((n, False)) for n in (1, 2, 4)),
+            "x_sp": xs(t((n, True), "megatron") / t((n, True)) for n in (2, 4)),
+            "mem": span([m[OURS]["mem_bytes"] / m["megatron"]["mem_bytes"] for m in tp.values()]),
+            "scale": t((4, False)) / t((1, False)), "t": t, "tp": tp}
+
+
+def loss_facts() -> dict:
+    """The figures that README.md and docs/performance.md's "In short" share."""
     trained, random = f"{H100}_trained", f"{H100}_random"
     tr = cases(trained)
-
-    def ratios(stem):
-        return " / ".join(x(v) for v in paired(stem))
-
     mem_r = [mem(tr[s], OURS) / mem(tr[s], "compile") for s in SHAPES]
     above = [f"{SHAPES[s]}: {(mem(tr[s], OURS) - mem(tr[s], 'compile')) / C.MiB:.1f} MiB above"
              for s, r in zip(SHAPES, mem_r) if r > 1]
-    mem_txt = " / ".join(x(r, 2 if abs(r - 1) > 0.005 else 4) for r in mem_r) + (f" ({'; '.join(above)})"
-                                                                                  if above else "")
     err = [tr[s]["methods"]["compile"][g] / tr[s]["methods"][OURS][g] for s in SHAPES
            for g in ("grad_e_rel_err", "grad_c_rel_err")]
     masks = [over_mean(trained), over_mean(random)]
-    mask_large = [m[s] for m in masks for s in LARGE]
-    mask_phi = [m["phi3.5-mini"] for m in masks]
-    tp = {(cs["regime"], cs["tp"], cs["sp"]): cs["methods"] for cs in load(TP)["cases"]}
-    tp_tr = {k[1:]: v for k, v in tp.items() if k[0] == "trained"}
+    return {"tr": xs(paired(trained)), "rd": xs(paired(random)), "spread": spread(H100, REPEAT),
+            "mem": " / ".join(x(r, 2 if abs(r - 1) > 0.005 else 4) for r in mem_r) + (
+                f" ({'; '.join(above)})" if above else ""),
+            "err": f"{min(err):.1f}–{max(err):.1f}×",
+            "h200": f"{xs(paired(f'{H200}_trained'))} ({xs(paired(f'{H200}_random'))})",
+            "mask": (f"{span([m[s] for m in masks for s in LARGE])} on the large vocabularies, "
+                     f"{span([m['phi3.5-mini'] for m in masks])} on Phi 3.5 mini"), "tp": tp_facts()}
 
-    def tp_x(t, sp):
-        m = tp_tr[(t, sp)]
-        return x(m["megatron"]["fwd_bwd"]["median_ms"] / m[OURS]["fwd_bwd"]["median_ms"])
 
-    tp_mem = [m[OURS]["mem_bytes"] / m["megatron"]["mem_bytes"] for m in tp_tr.values()]
-    tp_scale = tp_tr[(4, False)][OURS]["fwd_bwd"]["median_ms"] / tp_tr[(1, False)][OURS]["fwd_bwd"]["median_ms"]
+def readme_measured() -> str:
+    f = loss_facts()
+    tp = f["tp"]
     runs = {r["label"]: r for r in load(TRAIN_TP2DP2)["runs"]}
     cce, meg = runs["cce_kahan_full_c"], runs["megatron"]
     h100, h200 = "one H100, commit 5fb45df", "one H200, commit f353185"
@@ -109,27 +148,56 @@ def readme_measured() -> str:
                 f"[random](benchmarks/results/{stem}_random.md)")
 
     rows = [
-        ("time against torch.compile", f"{ratios(trained)} ({ratios(random)})", h100, links(H100)),
-        ("peak memory against torch.compile", mem_txt, h100, "the same"),
-        ("gradient error against torch.compile's", f"{min(err):.1f}–{max(err):.1f}× smaller (trained data)", h100,
+        ("time against torch.compile", f"{f['tr']} ({f['rd']})", h100, links(H100)),
+        ("the same loss code again, another H100", (f"{xs(paired(f'{REPEAT}_trained'))}: up to "
+         f"{f['spread']:.1f} % from the row above"), "one H100, commit 132cdde",
+         f"[trained](benchmarks/results/{REPEAT}_trained.md)"),
+        ("peak memory against torch.compile", f["mem"], h100, links(H100)),
+        ("gradient error against torch.compile's", f"{f['err']} smaller (trained data)", h100,
          "the same; [docs/accuracy.md](docs/accuracy.md)"),
-        ("Megatron's loss × mask / count against the plain mean",
-         f"{span(mask_large)} on the large vocabularies, {span(mask_phi)} on Phi 3.5 mini", h100, "the same"),
-        ("time against torch.compile, before the bf16 ∇E",
-         f"{ratios(f'{H200}_trained')} ({ratios(f'{H200}_random')})", h200, links(H200)),
+        ("Megatron's loss × mask / count against the plain mean", f["mask"], h100, "the same"),
+        ("time against torch.compile, before the bf16 ∇E", f["h200"], h200, links(H200)),
         ("Gemma 2 2B head under TP, against Megatron's output path",
-         (f"{' / '.join(tp_x(t, False) for t in (1, 2, 4))} faster at TP 1 / 2 / 4 "
-         f"({' / '.join(tp_x(t, True) for t in (2, 4))} with SP), at {min(tp_mem):.2f}–{max(tp_mem):.2f}× of its "
-         f"memory per rank; our TP 4 takes {tp_scale:.2f}× our TP 1's time"), "4× H200, commit f353185",
+         (f"{tp['x']} faster at TP 1 / 2 / 4 ({tp['x_sp']} with SP), at {tp['mem']} of its memory per rank; "
+          f"our TP 4 takes {tp['scale']:.2f}× our TP 1's time"), "4× H200, commit f353185",
          f"[{TP}.md](benchmarks/results/{TP}.md)"),
         ("training GPT-2 small at TP 2 × DP 2, against megatron's loss",
          (f"{x(cce['tokens_per_s_median'] / meg['tokens_per_s_median'])} the tokens/s at "
          f"{cce['peak_mem_max'] / 2**30:.2f} against {meg['peak_mem_max'] / 2**30:.2f} GiB peak memory per rank"),
          "4× H100, commit cbe5f8d", f"[{TRAIN_TP2DP2}.md](benchmarks/results/{TRAIN_TP2DP2}.md)"),
     ]
-    lines = [header(f"{H100}_trained", f"{H100}_random", f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2),
+    lines = [header(f"{H100}_trained", f"{H100}_random", f"{REPEAT}_trained",
+                    f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2),
              "| what | result | where | from |", "|---|---|---|---|"]
     return "\n".join(lines + [f"| {' | '.join(r)} |" for r in rows])
+
+
+def readme_intro() -> str:
+    g, w = cases(f"{H100}_trained")["gemma2-2b"], cases(f"{WEIGHTED}_trained")["gemma2-2b"]
+    return "\n".join([header(f"{H100}_trained", f"{WEIGHTED}_trained"), wrap(
+        f"For Gemma 2 2B at {g['N']:,} tokens the loss layer needs ∇E + ∇C "
+        f"({C.fmt_mib(g['lower_bound_bytes'])} MiB) plus a logits buffer of your choosing (a quarter of the "
+        f"call's logits by default, {g['N'] * g['V'] * 2 / 4 / 2**30:.2f} GiB there; "
+        f"{(mem(w, WEIGHTS) - w['lower_bound_bytes']) / C.MiB:.0f} MiB on the lean path); eager PyTorch "
+        f"peaks at {C.fmt_mib(mem(g, 'eager'))} MiB, torch.compile at {C.fmt_mib(mem(g, 'compile'))} MiB.")])
+
+
+def performance_short() -> str:
+    f = loss_facts()
+    tp = f["tp"]
+    return "\n".join([header(f"{H100}_trained", f"{H100}_random", f"{REPEAT}_trained",
+                             f"{H200}_trained", f"{H200}_random", TP), wrap(
+        "In the last full benchmark (one H100, N = 8,192, every peer "
+        f"in one run, commit 5fb45df) it took {f['tr']} torch.compile's time on Gemma 2 2B / Llama 3 8B / "
+        f"Qwen 2.5 7B / Phi 3.5 mini on trained-model-like data (random data {f['rd']}; per-round ratios; a "
+        f"second run of the same loss code on another H100 differs on trained data by up to {f['spread']:.1f} %), at "
+        f"{f['mem']} of its memory, with {f['err']} smaller gradient errors (also for a loss scaled by a "
+        "number like 1/3 before its backward, once the loss knows the number: see [accuracy.md](accuracy.md) "
+        "and `loss_scale`); `logits_budget` trades memory for time. On one H200 (commit f353185, before the "
+        f"bf16 ∇E): {f['h200']}. Megatron's loss × mask / count against the plain mean: {f['mask']}, with no "
+        f"host sync. Under TP (4× H200): {tp['x']} faster than Megatron's output path at TP 1 / 2 / 4 "
+        f"({tp['x_sp']} with SP), at {tp['mem']} of its memory per rank; our TP 4 takes {tp['scale']:.2f}× "
+        f"our TP 1's time ({1 / tp['scale']:.2f}× faster).")])
 
 
 def performance_loss() -> str:
@@ -179,7 +247,9 @@ def megatron_memory() -> str:
 
 
 BLOCKS = {
+    "readme-intro": readme_intro,
     "readme-measured": readme_measured,
+    "performance-short": performance_short,
     "performance-loss": performance_loss,
     "performance-train-tp2dp2": lambda: train_table(TRAIN_TP2DP2, "peak memory per rank"),
     "performance-train-1gpu": lambda: train_table(TRAIN_1GPU, "peak memory"),
