@@ -27,6 +27,8 @@ H200 = "h200_20261126_f353185"
 WEIGHTED = "h200_20261126"  # ours with per-token weights (commit 5285327)
 TP = "h200_20261126_tp_tp4"
 REPEAT = "h100_20261126_132cdde"  # the same loss code as H100's, another H100
+CBE = "h100_20261126_cbe5f8d"
+FULL_RUNS = (f"{H100}_trained", f"{REPEAT}_trained", "h100_20261126_abaf303_trained", CBE, f"{H200}_trained")
 TRAIN_TP2DP2, TRAIN_1GPU = "train_compare_h100x4_20261126", "train_compare_h100_20261126"
 OURS, MASKED, WEIGHTS = "ours:cce_kahan_full_c", "ours:cce_kahan_full_c/masked", "ours:cce_kahan_full_c/weighted"
 
@@ -68,8 +70,8 @@ def over_mean(stem: str) -> dict:
     import bench_loss
 
     meta = load(stem)["meta"]
-    return {s: {k: r for k, _, r in bench_loss.over_base_paired(cs, meta)}[MASKED]
-            for s, cs in cases(stem).items()}
+    cs = cases(stem)
+    return {s: {k: r for k, _, r in bench_loss.over_base_paired(cs[s], meta)}[MASKED] for s in SHAPES}
 
 
 def mem(cs: dict, key: str) -> float:
@@ -77,7 +79,8 @@ def mem(cs: dict, key: str) -> float:
 
 
 def wrap(text: str) -> str:
-    return textwrap.fill(text, 100, break_long_words=False, break_on_hyphens=False)
+    return textwrap.fill(text, 100, subsequent_indent="  " if text.startswith("- ") else "",
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def xs(vals, digits: int = 2) -> str:
@@ -127,7 +130,7 @@ def loss_facts() -> dict:
     err = [tr[s]["methods"]["compile"][g] / tr[s]["methods"][OURS][g] for s in SHAPES
            for g in ("grad_e_rel_err", "grad_c_rel_err")]
     masks = [over_mean(trained), over_mean(random)]
-    return {"tr": xs(paired(trained)), "rd": xs(paired(random)), "spread": spread(H100, REPEAT),
+    return {"mem_r": mem_r, "tr": xs(paired(trained)), "rd": xs(paired(random)), "spread": spread(H100, REPEAT),
             "mem": " / ".join(x(r, 2 if abs(r - 1) > 0.005 else 4) for r in mem_r) + (
                 f" ({'; '.join(above)})" if above else ""),
             "err": f"{min(err):.1f}–{max(err):.1f}×",
@@ -200,6 +203,68 @@ def performance_short() -> str:
         f"our TP 1's time ({1 / tp['scale']:.2f}× faster).")])
 
 
+def e3(vals) -> str:
+    return rng([v * 1e3 for v in vals]) + "e-3"
+
+
+def lst(vals, f=C.fmt_mib) -> str:
+    return " / ".join(map(f, vals))
+
+
+def performance_vs_compile() -> str:
+    trained, random = f"{H100}_trained", f"{H100}_random"
+    tr, wt = cases(trained), cases(f"{WEIGHTED}_trained")
+    phi = [mem(tr["phi3.5-mini"], k) / C.MiB for k in (OURS, "compile")]
+    gemm = [tr[s]["matmul"]["tflops"] for s in SHAPES]
+    flops = col(trained, OURS, "fwd_bwd_tflops")
+    frac = [a / b for a, b in zip(flops, gemm)]
+    om_tr, om_rd = over_mean(trained), over_mean(random)
+    errs = {(st, k, g): col(st, k, f"grad_{g}_rel_err") for st in (trained, random) for k in (OURS, "compile")
+            for g in "ec"}
+
+    def err(st, k):
+        e, c = e3(errs[st, k, "e"]), e3(errs[st, k, "c"])
+        return e if e == c else f"{e} / {c}"
+    qwen = [cases(st)["qwen2.5-7b"]["methods"][OURS]["fwd_bwd"]["vs_compile_paired"] for st in FULL_RUNS]
+    lean = [(mem(wt[s], WEIGHTS) / mem(wt[s], "compile"), wt[s]["methods"][WEIGHTS]["fwd_bwd"]["median_ms"]
+             / wt[s]["methods"]["compile"]["fwd_bwd"]["median_ms"]) for s in SHAPES]
+    cut = {s: (tr[s]["methods"]["cutce"]["fwd_bwd"]["median_ms"], tr[s]["methods"]["liger"]["fwd_bwd"]["median_ms"])
+           for s in SHAPES}
+    return "\n".join([header(trained, random, f"{WEIGHTED}_trained", *sorted(set(FULL_RUNS) - {trained})), wrap(
+        "- **Against torch.compile** (the median over the rounds of the round's ratio, the tables' "
+        f"\"paired\" column): {xs(paired(trained), 3)} its time on Gemma 2 2B / Llama 3 8B / Qwen 2.5 7B / "
+        f"Phi 3.5 mini (random data {xs(paired(random), 3)}), at {xs(loss_facts()['mem_r'])} its memory "
+        f"(Phi 3.5 mini: {phi[0]:.1f} against {phi[1]:.1f} MiB, per-token buffers above it); with Megatron's "
+        f"mask {xs(paired(trained, MASKED), 3)} (random {xs(paired(random, MASKED), 3)}), "
+        f"{xs(om_tr.values(), 3)} ours with the plain mean (random {xs(om_rd.values(), 3)}). "
+        f"{lst(flops, '{:.0f}'.format)} TFLOP/s (6·N·V·D over the call), {lst(frac, '{:.2f}'.format)} of cuBLAS's bf16 logits GEMM alone at each shape in that run "
+        f"({lst(gemm, '{:.0f}'.format)} TFLOP/s). Errors ∇E / ∇C {err(trained, OURS)} on trained data against torch.compile's "
+        f"{err(trained, 'compile')}; on random data {err(random, OURS)} against {err(random, 'compile')}. The second run of the "
+        f"same code below differs by up to {spread(H100, REPEAT):.1f} %; Qwen 2.5 7B has measured "
+        f"{rng(qwen, '{:.2f}', '×')} across the committed full runs (trained data; this one, the repeat, "
+        f"abaf303, cbe5f8d, f353185). The lean path (`logits_budget=\"lean\"`, the same path as the "
+        f"per-token-weights row) takes {span([t for _, t in lean], 1)} torch.compile's time at "
+        f"{span([m for m, _ in lean])} its memory (H200, commit 5285327). cut-cross-entropy takes "
+        f"{rng([cut[s][0] for s in LARGE], '{:.0f}', ' ms')} on the three large vocabularies "
+        f"({cases(random)['gemma2-2b']['methods']['cutce']['fwd_bwd']['median_ms']:.0f} ms on random Gemma data, "
+        f"where its filter skips most tiles); liger-kernel {rng([cut[s][1] for s in LARGE], '{:.0f}', ' ms')} there.")])
+
+
+def performance_runs() -> str:
+    rep, f, a = f"{REPEAT}_trained", f"{H200}_trained", "h100_20261126_abaf303"
+    peaks = [lst([mem(cases(st)[s], OURS) for s in SHAPES]) for st in (rep, f"{H100}_trained", f)]
+    t = [lst([cases(f)[s]["methods"][k]["fwd_bwd"]["median_ms"] for s in SHAPES], ms) for k in (OURS, "compile")]
+    return "\n".join([header(rep, f, f"{H200}_random", f"{a}_trained", CBE), wrap(
+        "- **A repeat of the full run** (every peer, another H100, commit 132cdde: the same loss code as the "
+        f"table's; `{rep}.md`, trained data): paired {xs(paired(rep), 3)} torch.compile's time on Gemma 2 2B / "
+        f"Llama 3 8B / Qwen 2.5 7B / Phi 3.5 mini, at peaks of {peaks[0]} MiB (the table's {peaks[1]}); Megatron's "
+        f"mask {xs(over_mean(rep).values(), 3)} the plain mean."), wrap(
+        "- **Earlier full runs** (every peer in the run, before the bf16 ∇E, which moved ours' peak only): one "
+        f"H200 at f353185 (`{f}.md` / `_random.md`): {t[0]} ms against torch.compile's {t[1]}, paired "
+        f"{xs(paired(f))} (random {xs(paired(f'{H200}_random'))}), at {peaks[2]} MiB; one H100 at abaf303 "
+        f"(`{a}_trained.md`, trained): {xs(paired(f'{a}_trained'), 3)}; at cbe5f8d (`{CBE}.md`, trained): {xs(paired(CBE), 3)}.")])
+
+
 def performance_loss() -> str:
     tr, rd = cases(f"{H100}_trained"), cases(f"{H100}_random")
     wtr, wrd = cases(f"{WEIGHTED}_trained"), cases(f"{WEIGHTED}_random")
@@ -250,6 +315,8 @@ BLOCKS = {
     "readme-intro": readme_intro,
     "readme-measured": readme_measured,
     "performance-short": performance_short,
+    "performance-vs-compile": performance_vs_compile,
+    "performance-runs": performance_runs,
     "performance-loss": performance_loss,
     "performance-train-tp2dp2": lambda: train_table(TRAIN_TP2DP2, "peak memory per rank"),
     "performance-train-1gpu": lambda: train_table(TRAIN_1GPU, "peak memory"),
