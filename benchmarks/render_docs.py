@@ -27,7 +27,7 @@ H200 = "h200_20261126_f353185"
 WEIGHTED = "h200_20261126"  # ours with per-token weights (commit 5285327)
 TP = "h200_20261126_tp_tp4"
 REPEAT = "h100_20261126_132cdde"  # the same loss code as H100's, another H100
-CBE = "h100_20261126_cbe5f8d"
+CBE, GPT2 = "h100_20261126_cbe5f8d", "h100_20261126_tp_gpt2"
 FULL_RUNS = (f"{H100}_trained", f"{REPEAT}_trained", "h100_20261126_abaf303_trained", CBE, f"{H200}_trained")
 TRAIN_TP2DP2, TRAIN_1GPU = "train_compare_h100x4_20261126", "train_compare_h100_20261126"
 OURS, MASKED, WEIGHTS = "ours:cce_kahan_full_c", "ours:cce_kahan_full_c/masked", "ours:cce_kahan_full_c/weighted"
@@ -296,7 +296,41 @@ def train_table(stem: str, memory: str) -> str:
     for r in load(stem)["runs"]:
         lines.append(f"| `{r['label']}` | {r['tokens_per_s_median']:,.0f} | {r['peak_mem_max'] / 2**30:.2f} GiB | "
                      f"{r['final_loss_mean20']:.3f} | {r['final_val_ppl']:.1f} |")
-    return "\n".join(lines)
+    runs, cmp = {r["label"]: r for r in load(stem)["runs"]}, load(stem)["comparisons"][0]["losses"]
+    a, b = runs["cce_kahan_full_c"], runs["megatron"]
+    first = "are identical" if cmp["first_step_diff"] == 0 else f"agree to {abs(cmp['first_step_diff']):.0e}".replace("e-0", "e-")
+    return "\n".join(lines + ["", wrap(
+        f"The first losses {first} and the curves stay within {cmp['max_abs_diff']:.3f} of each other. "
+        f"CCE takes {x(a['peak_mem_max'] / b['peak_mem_max'])} the peak memory and runs at "
+        f"{x(a['tokens_per_s_median'] / b['tokens_per_s_median'])} the tokens/s.")])
+
+
+def performance_tp() -> str:
+    tr, rd, g = tp_facts(), tp_facts(regime="random"), load(GPT2)["cases"]
+    t, tp, m = tr["t"], tr["tp"], "megatron"
+    ks, sp = [(n, False) for n in (1, 2, 4)], [(2, True), (4, True)]
+
+    def by(f, keys, fmt=ms):
+        return " / ".join(fmt(f(k)) for k in keys)
+
+    def mb(key):
+        return lambda k: tp[k][key]["mem_bytes"]
+
+    up = {k: f"{t((1, False)) / t((4, k[1])) if k[0] == 4 else t((1, False)) / t(k):.2f}×" for k in ks[1:] + sp}
+    errs = [tp[k][o][f"grad_{e}_rel_err"] for k in ks for o in (OURS, m) for e in "ec"]
+    gpt = {(c["regime"], c["tp"]): c["methods"][m]["fwd_bwd"]["median_ms"] / c["methods"][OURS]["fwd_bwd"][
+        "median_ms"] for c in g}
+    return "\n".join([header(TP, GPT2), wrap(
+        "- **Tensor parallelism** (4× H200, Gemma 2 2B head, N = 8,192 global tokens, commit f353185, "
+        f"`benchmarks/results/{TP}.md`): per rank, at TP = 1 / 2 / 4 (trained data), ours takes {by(t, ks)} ms "
+        f"({by(t, sp)} with SP) against {by(lambda k: t(k, m), ks)} ms ({by(lambda k: t(k, m), sp)} with SP) for "
+        f"`ColumnParallelLinear` + `vocab_parallel_cross_entropy`: {tr['x']} faster ({tr['x_sp']} with SP), at "
+        f"{by(mb(OURS), ks, C.fmt_mib)} MiB per rank ({by(mb(OURS), sp, C.fmt_mib)} with SP) against "
+        f"{by(mb(m), ks, C.fmt_mib)} ({by(mb(m), sp, C.fmt_mib)}). Random data: {rd['x']} faster ({rd['x_sp']} "
+        f"with SP). Our TP 2 and TP 4 are {up[2, False]} and {up[4, False]} faster than our TP 1 ({up[4, True]} "
+        f"with SP). Errors ∇E / ∇C {e3(errs[::4])} / {e3(errs[1::4])} against Megatron's {e3(errs[2::4] + errs[3::4])}. "
+        f"At GPT-2 small's head (8,192 tokens, one H100, `benchmarks/results/{GPT2}.md`) ours is "
+        f"{x(gpt['trained', 2])} faster at TP 2 (random data {x(gpt['random', 2])}), {x(gpt['trained', 1])} at TP 1.")])
 
 
 def megatron_memory() -> str:
@@ -317,6 +351,7 @@ BLOCKS = {
     "performance-short": performance_short,
     "performance-vs-compile": performance_vs_compile,
     "performance-runs": performance_runs,
+    "performance-tp": performance_tp,
     "performance-loss": performance_loss,
     "performance-train-tp2dp2": lambda: train_table(TRAIN_TP2DP2, "peak memory per rank"),
     "performance-train-1gpu": lambda: train_table(TRAIN_1GPU, "peak memory"),
