@@ -9,6 +9,7 @@ where a block differs (tests/benchmarks/test_render_docs.py), so a hand edit fai
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import re
 import sys
@@ -56,13 +57,11 @@ def ms(v: float) -> str:
 
 
 def span(vals, digits: int = 2) -> str:
-    lo, hi = f"{min(vals):.{digits}f}", f"{max(vals):.{digits}f}"
-    return f"{lo}×" if lo == hi else f"{lo}–{hi}×"
+    return rng(vals, f"{{:.{digits}f}}", "×")
 
 
 def paired(stem: str, key: str = OURS) -> list[float]:
-    cs = cases(stem)
-    return [cs[s]["methods"][key]["fwd_bwd"]["vs_compile_paired"] for s in SHAPES]
+    return col(stem, key, "fwd_bwd", "vs_compile_paired")
 
 
 def over_mean(stem: str) -> dict:
@@ -93,14 +92,9 @@ def rng(vals, fmt: str = "{:.1f}", unit: str = "") -> str:
 
 
 def col(stem: str, key: str, *path: str) -> list:
-    """[value at methods[key][path...] for each shape] of a loss result."""
-    out = []
-    for s in SHAPES:
-        v = cases(stem)[s]["methods"][key]
-        for p in path:
-            v = v[p]
-        out.append(v)
-    return out
+    """[methods[key][path...] for each shape] of a loss result; the path defaults to the fwd+bwd median ms."""
+    cs = cases(stem)
+    return [functools.reduce(dict.get, path or ("fwd_bwd", "median_ms"), cs[s]["methods"][key]) for s in SHAPES]
 
 
 def spread(a: str, b: str) -> float:
@@ -136,12 +130,11 @@ def loss_facts() -> dict:
             "err": f"{min(err):.1f}–{max(err):.1f}×",
             "h200": f"{xs(paired(f'{H200}_trained'))} ({xs(paired(f'{H200}_random'))})",
             "mask": (f"{span([m[s] for m in masks for s in LARGE])} on the large vocabularies, "
-                     f"{span([m['phi3.5-mini'] for m in masks])} on Phi 3.5 mini"), "tp": tp_facts()}
+                     f"{span([m['phi3.5-mini'] for m in masks])} on Phi 3.5 mini")}
 
 
 def readme_measured() -> str:
-    f = loss_facts()
-    tp = f["tp"]
+    f, tp = loss_facts(), tp_facts()
     runs = {r["label"]: r for r in load(TRAIN_TP2DP2)["runs"]}
     cce, meg = runs["cce_kahan_full_c"], runs["megatron"]
     h100, h200 = "one H100, commit 5fb45df", "one H200, commit f353185"
@@ -186,8 +179,7 @@ def readme_intro() -> str:
 
 
 def performance_short() -> str:
-    f = loss_facts()
-    tp = f["tp"]
+    f, tp = loss_facts(), tp_facts()
     return "\n".join([header(f"{H100}_trained", f"{H100}_random", f"{REPEAT}_trained",
                              f"{H200}_trained", f"{H200}_random", TP), wrap(
         "In the last full benchmark (one H100, N = 8,192, every peer "
@@ -213,9 +205,8 @@ def lst(vals, f=C.fmt_mib) -> str:
 
 def performance_vs_compile() -> str:
     trained, random = f"{H100}_trained", f"{H100}_random"
-    tr, wt = cases(trained), cases(f"{WEIGHTED}_trained")
-    phi = [mem(tr["phi3.5-mini"], k) / C.MiB for k in (OURS, "compile")]
-    gemm = [tr[s]["matmul"]["tflops"] for s in SHAPES]
+    phi = [col(trained, k, "fwd_bwd_mem_bytes")[3] / C.MiB for k in (OURS, "compile")]
+    gemm = [cases(trained)[s]["matmul"]["tflops"] for s in SHAPES]
     flops = col(trained, OURS, "fwd_bwd_tflops")
     frac = [a / b for a, b in zip(flops, gemm)]
     om_tr, om_rd = over_mean(trained), over_mean(random)
@@ -225,11 +216,10 @@ def performance_vs_compile() -> str:
     def err(st, k):
         e, c = e3(errs[st, k, "e"]), e3(errs[st, k, "c"])
         return e if e == c else f"{e} / {c}"
-    qwen = [cases(st)["qwen2.5-7b"]["methods"][OURS]["fwd_bwd"]["vs_compile_paired"] for st in FULL_RUNS]
-    lean = [(mem(wt[s], WEIGHTS) / mem(wt[s], "compile"), wt[s]["methods"][WEIGHTS]["fwd_bwd"]["median_ms"]
-             / wt[s]["methods"]["compile"]["fwd_bwd"]["median_ms"]) for s in SHAPES]
-    cut = {s: (tr[s]["methods"]["cutce"]["fwd_bwd"]["median_ms"], tr[s]["methods"]["liger"]["fwd_bwd"]["median_ms"])
-           for s in SHAPES}
+    qwen = [paired(st)[2] for st in FULL_RUNS]
+    w = f"{WEIGHTED}_trained"
+    lean_t = [a / b for a, b in zip(col(w, WEIGHTS), col(w, "compile"))]
+    lean_m = [a / b for a, b in zip(col(w, WEIGHTS, "fwd_bwd_mem_bytes"), col(w, "compile", "fwd_bwd_mem_bytes"))]
     return "\n".join([header(trained, random, f"{WEIGHTED}_trained", *sorted(set(FULL_RUNS) - {trained})), wrap(
         "- **Against torch.compile** (the median over the rounds of the round's ratio, the tables' "
         f"\"paired\" column): {xs(paired(trained), 3)} its time on Gemma 2 2B / Llama 3 8B / Qwen 2.5 7B / "
@@ -243,17 +233,17 @@ def performance_vs_compile() -> str:
         f"same code below differs by up to {spread(H100, REPEAT):.1f} %; Qwen 2.5 7B has measured "
         f"{rng(qwen, '{:.2f}', '×')} across the committed full runs (trained data; this one, the repeat, "
         f"abaf303, cbe5f8d, f353185). The lean path (`logits_budget=\"lean\"`, the same path as the "
-        f"per-token-weights row) takes {span([t for _, t in lean], 1)} torch.compile's time at "
-        f"{span([m for m, _ in lean])} its memory (H200, commit 5285327). cut-cross-entropy takes "
-        f"{rng([cut[s][0] for s in LARGE], '{:.0f}', ' ms')} on the three large vocabularies "
-        f"({cases(random)['gemma2-2b']['methods']['cutce']['fwd_bwd']['median_ms']:.0f} ms on random Gemma data, "
-        f"where its filter skips most tiles); liger-kernel {rng([cut[s][1] for s in LARGE], '{:.0f}', ' ms')} there.")])
+        f"per-token-weights row) takes {span(lean_t, 1)} torch.compile's time at "
+        f"{span(lean_m)} its memory (H200, commit 5285327). cut-cross-entropy takes "
+        f"{rng(col(trained, 'cutce')[:3], '{:.0f}', ' ms')} on the three large vocabularies "
+        f"({col(random, 'cutce')[0]:.0f} ms on random Gemma data, where its filter skips most tiles); "
+        f"liger-kernel {rng(col(trained, 'liger')[:3], '{:.0f}', ' ms')} there.")])
 
 
 def performance_runs() -> str:
     rep, f, a = f"{REPEAT}_trained", f"{H200}_trained", "h100_20261126_abaf303"
-    peaks = [lst([mem(cases(st)[s], OURS) for s in SHAPES]) for st in (rep, f"{H100}_trained", f)]
-    t = [lst([cases(f)[s]["methods"][k]["fwd_bwd"]["median_ms"] for s in SHAPES], ms) for k in (OURS, "compile")]
+    peaks = [lst(col(st, OURS, "fwd_bwd_mem_bytes")) for st in (rep, f"{H100}_trained", f)]
+    t = [lst(col(f, k), ms) for k in (OURS, "compile")]
     return "\n".join([header(rep, f, f"{H200}_random", f"{a}_trained", CBE), wrap(
         "- **A repeat of the full run** (every peer, another H100, commit 132cdde: the same loss code as the "
         f"table's; `{rep}.md`, trained data): paired {xs(paired(rep), 3)} torch.compile's time on Gemma 2 2B / "
