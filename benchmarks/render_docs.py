@@ -9,9 +9,11 @@ where a block differs (tests/benchmarks/test_render_docs.py), so a hand edit fai
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -25,6 +27,9 @@ H100 = "h100_20261126_5fb45df"  # the last full loss benchmark, one file per reg
 H200 = "h200_20261126_f353185"
 WEIGHTED = "h200_20261126"  # ours with per-token weights (commit 5285327)
 TP = "h200_20261126_tp_tp4"
+REPEAT = "h100_20261126_132cdde"  # the same loss code as H100's, another H100
+CBE, GPT2 = "h100_20261126_cbe5f8d", "h100_20261126_tp_gpt2"
+FULL_RUNS = (f"{H100}_trained", f"{REPEAT}_trained", "h100_20261126_abaf303_trained", CBE, f"{H200}_trained")
 TRAIN_TP2DP2, TRAIN_1GPU = "train_compare_h100x4_20261126", "train_compare_h100_20261126"
 OURS, MASKED, WEIGHTS = "ours:cce_kahan_full_c", "ours:cce_kahan_full_c/masked", "ours:cce_kahan_full_c/weighted"
 
@@ -52,13 +57,11 @@ def ms(v: float) -> str:
 
 
 def span(vals, digits: int = 2) -> str:
-    lo, hi = f"{min(vals):.{digits}f}", f"{max(vals):.{digits}f}"
-    return f"{lo}×" if lo == hi else f"{lo}–{hi}×"
+    return rng(vals, f"{{:.{digits}f}}", "×")
 
 
 def paired(stem: str, key: str = OURS) -> list[float]:
-    cs = cases(stem)
-    return [cs[s]["methods"][key]["fwd_bwd"]["vs_compile_paired"] for s in SHAPES]
+    return col(stem, key, "fwd_bwd", "vs_compile_paired")
 
 
 def over_mean(stem: str) -> dict:
@@ -66,40 +69,72 @@ def over_mean(stem: str) -> dict:
     import bench_loss
 
     meta = load(stem)["meta"]
-    return {s: {k: r for k, _, r in bench_loss.over_base_paired(cs, meta)}[MASKED]
-            for s, cs in cases(stem).items()}
+    cs = cases(stem)
+    return {s: {k: r for k, _, r in bench_loss.over_base_paired(cs[s], meta)}[MASKED] for s in SHAPES}
 
 
 def mem(cs: dict, key: str) -> float:
     return cs["methods"][key]["fwd_bwd_mem_bytes"]
 
 
-def readme_measured() -> str:
+def wrap(text: str) -> str:
+    return textwrap.fill(text, 100, subsequent_indent="  " if text.startswith("- ") else "",
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def xs(vals, digits: int = 2) -> str:
+    return " / ".join(x(v, digits) for v in vals)
+
+
+def rng(vals, fmt: str = "{:.1f}", unit: str = "") -> str:
+    lo, hi = fmt.format(min(vals)), fmt.format(max(vals))
+    return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
+
+
+def col(stem: str, key: str, *path: str) -> list:
+    """[methods[key][path...] for each shape] of a loss result; the path defaults to the fwd+bwd median ms."""
+    cs = cases(stem)
+    return [functools.reduce(dict.get, path or ("fwd_bwd", "median_ms"), cs[s]["methods"][key]) for s in SHAPES]
+
+
+def spread(a: str, b: str) -> float:
+    """The largest difference, in %, between two full runs' paired ratios on trained data."""
+    return 100 * max(abs(p / q - 1) for p, q in zip(paired(f"{a}_trained"), paired(f"{b}_trained")))
+
+
+def tp_facts(stem: str = TP, regime: str = "trained") -> dict:
+    tp = {(cs["tp"], cs["sp"]): cs["methods"] for cs in load(stem)["cases"] if cs["regime"] == regime}
+
+    def t(k, m=OURS):
+        return tp[k][m]["fwd_bwd"]["median_ms"]
+
+    return {"x": xs(t((n, False), "megatron") / t((n, False)) for n in (1, 2, 4)),
+            "x_sp": xs(t((n, True), "megatron") / t((n, True)) for n in (2, 4)),
+            "mem": span([m[OURS]["mem_bytes"] / m["megatron"]["mem_bytes"] for m in tp.values()]),
+            "scale": t((4, False)) / t((1, False)), "t": t, "tp": tp}
+
+
+def loss_facts() -> dict:
+    """The figures that README.md and docs/performance.md's "In short" share."""
     trained, random = f"{H100}_trained", f"{H100}_random"
     tr = cases(trained)
-
-    def ratios(stem):
-        return " / ".join(x(v) for v in paired(stem))
-
     mem_r = [mem(tr[s], OURS) / mem(tr[s], "compile") for s in SHAPES]
     above = [f"{SHAPES[s]}: {(mem(tr[s], OURS) - mem(tr[s], 'compile')) / C.MiB:.1f} MiB above"
              for s, r in zip(SHAPES, mem_r) if r > 1]
-    mem_txt = " / ".join(x(r, 2 if abs(r - 1) > 0.005 else 4) for r in mem_r) + (f" ({'; '.join(above)})"
-                                                                                  if above else "")
     err = [tr[s]["methods"]["compile"][g] / tr[s]["methods"][OURS][g] for s in SHAPES
            for g in ("grad_e_rel_err", "grad_c_rel_err")]
     masks = [over_mean(trained), over_mean(random)]
-    mask_large = [m[s] for m in masks for s in LARGE]
-    mask_phi = [m["phi3.5-mini"] for m in masks]
-    tp = {(cs["regime"], cs["tp"], cs["sp"]): cs["methods"] for cs in load(TP)["cases"]}
-    tp_tr = {k[1:]: v for k, v in tp.items() if k[0] == "trained"}
+    return {"mem_r": mem_r, "tr": xs(paired(trained)), "rd": xs(paired(random)), "spread": spread(H100, REPEAT),
+            "mem": " / ".join(x(r, 2 if abs(r - 1) > 0.005 else 4) for r in mem_r) + (
+                f" ({'; '.join(above)})" if above else ""),
+            "err": f"{min(err):.1f}–{max(err):.1f}×",
+            "h200": f"{xs(paired(f'{H200}_trained'))} ({xs(paired(f'{H200}_random'))})",
+            "mask": (f"{span([m[s] for m in masks for s in LARGE])} on the large vocabularies, "
+                     f"{span([m['phi3.5-mini'] for m in masks])} on Phi 3.5 mini")}
 
-    def tp_x(t, sp):
-        m = tp_tr[(t, sp)]
-        return x(m["megatron"]["fwd_bwd"]["median_ms"] / m[OURS]["fwd_bwd"]["median_ms"])
 
-    tp_mem = [m[OURS]["mem_bytes"] / m["megatron"]["mem_bytes"] for m in tp_tr.values()]
-    tp_scale = tp_tr[(4, False)][OURS]["fwd_bwd"]["median_ms"] / tp_tr[(1, False)][OURS]["fwd_bwd"]["median_ms"]
+def readme_measured() -> str:
+    f, tp = loss_facts(), tp_facts()
     runs = {r["label"]: r for r in load(TRAIN_TP2DP2)["runs"]}
     cce, meg = runs["cce_kahan_full_c"], runs["megatron"]
     h100, h200 = "one H100, commit 5fb45df", "one H200, commit f353185"
@@ -109,27 +144,115 @@ def readme_measured() -> str:
                 f"[random](benchmarks/results/{stem}_random.md)")
 
     rows = [
-        ("time against torch.compile", f"{ratios(trained)} ({ratios(random)})", h100, links(H100)),
-        ("peak memory against torch.compile", mem_txt, h100, "the same"),
-        ("gradient error against torch.compile's", f"{min(err):.1f}–{max(err):.1f}× smaller (trained data)", h100,
+        ("time against torch.compile", f"{f['tr']} ({f['rd']})", h100, links(H100)),
+        ("the same loss code again, another H100", (f"{xs(paired(f'{REPEAT}_trained'))}: up to "
+         f"{f['spread']:.1f} % from the row above"), "one H100, commit 132cdde",
+         f"[trained](benchmarks/results/{REPEAT}_trained.md)"),
+        ("peak memory against torch.compile", f["mem"], h100, links(H100)),
+        ("gradient error against torch.compile's", f"{f['err']} smaller (trained data)", h100,
          "the same; [docs/accuracy.md](docs/accuracy.md)"),
-        ("Megatron's loss × mask / count against the plain mean",
-         f"{span(mask_large)} on the large vocabularies, {span(mask_phi)} on Phi 3.5 mini", h100, "the same"),
-        ("time against torch.compile, before the bf16 ∇E",
-         f"{ratios(f'{H200}_trained')} ({ratios(f'{H200}_random')})", h200, links(H200)),
+        ("Megatron's loss × mask / count against the plain mean", f["mask"], h100, "the same"),
+        ("time against torch.compile, before the bf16 ∇E", f["h200"], h200, links(H200)),
         ("Gemma 2 2B head under TP, against Megatron's output path",
-         (f"{' / '.join(tp_x(t, False) for t in (1, 2, 4))} faster at TP 1 / 2 / 4 "
-         f"({' / '.join(tp_x(t, True) for t in (2, 4))} with SP), at {min(tp_mem):.2f}–{max(tp_mem):.2f}× of its "
-         f"memory per rank; our TP 4 takes {tp_scale:.2f}× our TP 1's time"), "4× H200, commit f353185",
+         (f"{tp['x']} faster at TP 1 / 2 / 4 ({tp['x_sp']} with SP), at {tp['mem']} of its memory per rank; "
+          f"our TP 4 takes {tp['scale']:.2f}× our TP 1's time"), "4× H200, commit f353185",
          f"[{TP}.md](benchmarks/results/{TP}.md)"),
         ("training GPT-2 small at TP 2 × DP 2, against megatron's loss",
          (f"{x(cce['tokens_per_s_median'] / meg['tokens_per_s_median'])} the tokens/s at "
          f"{cce['peak_mem_max'] / 2**30:.2f} against {meg['peak_mem_max'] / 2**30:.2f} GiB peak memory per rank"),
          "4× H100, commit cbe5f8d", f"[{TRAIN_TP2DP2}.md](benchmarks/results/{TRAIN_TP2DP2}.md)"),
     ]
-    lines = [header(f"{H100}_trained", f"{H100}_random", f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2),
+    lines = [header(f"{H100}_trained", f"{H100}_random", f"{REPEAT}_trained",
+                    f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2),
              "| what | result | where | from |", "|---|---|---|---|"]
     return "\n".join(lines + [f"| {' | '.join(r)} |" for r in rows])
+
+
+def readme_intro() -> str:
+    g, w = cases(f"{H100}_trained")["gemma2-2b"], cases(f"{WEIGHTED}_trained")["gemma2-2b"]
+    return "\n".join([header(f"{H100}_trained", f"{WEIGHTED}_trained"), wrap(
+        f"For Gemma 2 2B at {g['N']:,} tokens the loss layer needs ∇E + ∇C "
+        f"({C.fmt_mib(g['lower_bound_bytes'])} MiB) plus a logits buffer of your choosing (a quarter of the "
+        f"call's logits by default, {g['N'] * g['V'] * 2 / 4 / 2**30:.2f} GiB there; "
+        f"{(mem(w, WEIGHTS) - w['lower_bound_bytes']) / C.MiB:.0f} MiB on the lean path); eager PyTorch "
+        f"peaks at {C.fmt_mib(mem(g, 'eager'))} MiB, torch.compile at {C.fmt_mib(mem(g, 'compile'))} MiB.")])
+
+
+def performance_short() -> str:
+    f, tp = loss_facts(), tp_facts()
+    return "\n".join([header(f"{H100}_trained", f"{H100}_random", f"{REPEAT}_trained",
+                             f"{H200}_trained", f"{H200}_random", TP), wrap(
+        "In the last full benchmark (one H100, N = 8,192, every peer "
+        f"in one run, commit 5fb45df) it took {f['tr']} torch.compile's time on Gemma 2 2B / Llama 3 8B / "
+        f"Qwen 2.5 7B / Phi 3.5 mini on trained-model-like data (random data {f['rd']}; per-round ratios; a "
+        f"second run of the same loss code on another H100 differs on trained data by up to {f['spread']:.1f} %), at "
+        f"{f['mem']} of its memory, with {f['err']} smaller gradient errors (also for a loss scaled by a "
+        "number like 1/3 before its backward, once the loss knows the number: see [accuracy.md](accuracy.md) "
+        "and `loss_scale`); `logits_budget` trades memory for time. On one H200 (commit f353185, before the "
+        f"bf16 ∇E): {f['h200']}. Megatron's loss × mask / count against the plain mean: {f['mask']}, with no "
+        f"host sync. Under TP (4× H200): {tp['x']} faster than Megatron's output path at TP 1 / 2 / 4 "
+        f"({tp['x_sp']} with SP), at {tp['mem']} of its memory per rank; our TP 4 takes {tp['scale']:.2f}× "
+        f"our TP 1's time ({1 / tp['scale']:.2f}× faster).")])
+
+
+def e3(vals) -> str:
+    return rng([v * 1e3 for v in vals]) + "e-3"
+
+
+def lst(vals, f=C.fmt_mib) -> str:
+    return " / ".join(map(f, vals))
+
+
+def performance_vs_compile() -> str:
+    trained, random = f"{H100}_trained", f"{H100}_random"
+    phi = [col(trained, k, "fwd_bwd_mem_bytes")[3] / C.MiB for k in (OURS, "compile")]
+    gemm = [cases(trained)[s]["matmul"]["tflops"] for s in SHAPES]
+    flops = col(trained, OURS, "fwd_bwd_tflops")
+    frac = [a / b for a, b in zip(flops, gemm)]
+    om_tr, om_rd = over_mean(trained), over_mean(random)
+    errs = {(st, k, g): col(st, k, f"grad_{g}_rel_err") for st in (trained, random) for k in (OURS, "compile")
+            for g in "ec"}
+
+    def err(st, k):
+        e, c = e3(errs[st, k, "e"]), e3(errs[st, k, "c"])
+        return e if e == c else f"{e} / {c}"
+    qwen = [paired(st)[2] for st in FULL_RUNS]
+    w = f"{WEIGHTED}_trained"
+    lean_t = [a / b for a, b in zip(col(w, WEIGHTS), col(w, "compile"))]
+    lean_m = [a / b for a, b in zip(col(w, WEIGHTS, "fwd_bwd_mem_bytes"), col(w, "compile", "fwd_bwd_mem_bytes"))]
+    return "\n".join([header(trained, random, f"{WEIGHTED}_trained", *sorted(set(FULL_RUNS) - {trained})), wrap(
+        "- **Against torch.compile** (the median over the rounds of the round's ratio, the tables' "
+        f"\"paired\" column): {xs(paired(trained), 3)} its time on Gemma 2 2B / Llama 3 8B / Qwen 2.5 7B / "
+        f"Phi 3.5 mini (random data {xs(paired(random), 3)}), at {xs(loss_facts()['mem_r'])} its memory "
+        f"(Phi 3.5 mini: {phi[0]:.1f} against {phi[1]:.1f} MiB, per-token buffers above it); with Megatron's "
+        f"mask {xs(paired(trained, MASKED), 3)} (random {xs(paired(random, MASKED), 3)}), "
+        f"{xs(om_tr.values(), 3)} ours with the plain mean (random {xs(om_rd.values(), 3)}). "
+        f"{lst(flops, '{:.0f}'.format)} TFLOP/s (6·N·V·D over the call), {lst(frac, '{:.2f}'.format)} of cuBLAS's bf16 logits GEMM alone at each shape in that run "
+        f"({lst(gemm, '{:.0f}'.format)} TFLOP/s). Errors ∇E / ∇C {err(trained, OURS)} on trained data against torch.compile's "
+        f"{err(trained, 'compile')}; on random data {err(random, OURS)} against {err(random, 'compile')}. The second run of the "
+        f"same code below differs by up to {spread(H100, REPEAT):.1f} %; Qwen 2.5 7B has measured "
+        f"{rng(qwen, '{:.2f}', '×')} across the committed full runs (trained data; this one, the repeat, "
+        f"abaf303, cbe5f8d, f353185). The lean path (`logits_budget=\"lean\"`, the same path as the "
+        f"per-token-weights row) takes {span(lean_t, 1)} torch.compile's time at "
+        f"{span(lean_m)} its memory (H200, commit 5285327). cut-cross-entropy takes "
+        f"{rng(col(trained, 'cutce')[:3], '{:.0f}', ' ms')} on the three large vocabularies "
+        f"({col(random, 'cutce')[0]:.0f} ms on random Gemma data, where its filter skips most tiles); "
+        f"liger-kernel {rng(col(trained, 'liger')[:3], '{:.0f}', ' ms')} there.")])
+
+
+def performance_runs() -> str:
+    rep, f, a = f"{REPEAT}_trained", f"{H200}_trained", "h100_20261126_abaf303"
+    peaks = [lst(col(st, OURS, "fwd_bwd_mem_bytes")) for st in (rep, f"{H100}_trained", f)]
+    t = [lst(col(f, k), ms) for k in (OURS, "compile")]
+    return "\n".join([header(rep, f, f"{H200}_random", f"{a}_trained", CBE), wrap(
+        "- **A repeat of the full run** (every peer, another H100, commit 132cdde: the same loss code as the "
+        f"table's; `{rep}.md`, trained data): paired {xs(paired(rep), 3)} torch.compile's time on Gemma 2 2B / "
+        f"Llama 3 8B / Qwen 2.5 7B / Phi 3.5 mini, at peaks of {peaks[0]} MiB (the table's {peaks[1]}); Megatron's "
+        f"mask {xs(over_mean(rep).values(), 3)} the plain mean."), wrap(
+        "- **Earlier full runs** (every peer in the run, before the bf16 ∇E, which moved ours' peak only): one "
+        f"H200 at f353185 (`{f}.md` / `_random.md`): {t[0]} ms against torch.compile's {t[1]}, paired "
+        f"{xs(paired(f))} (random {xs(paired(f'{H200}_random'))}), at {peaks[2]} MiB; one H100 at abaf303 "
+        f"(`{a}_trained.md`, trained): {xs(paired(f'{a}_trained'), 3)}; at cbe5f8d (`{CBE}.md`, trained): {xs(paired(CBE), 3)}.")])
 
 
 def performance_loss() -> str:
@@ -163,7 +286,41 @@ def train_table(stem: str, memory: str) -> str:
     for r in load(stem)["runs"]:
         lines.append(f"| `{r['label']}` | {r['tokens_per_s_median']:,.0f} | {r['peak_mem_max'] / 2**30:.2f} GiB | "
                      f"{r['final_loss_mean20']:.3f} | {r['final_val_ppl']:.1f} |")
-    return "\n".join(lines)
+    runs, cmp = {r["label"]: r for r in load(stem)["runs"]}, load(stem)["comparisons"][0]["losses"]
+    a, b = runs["cce_kahan_full_c"], runs["megatron"]
+    first = "are identical" if cmp["first_step_diff"] == 0 else f"agree to {abs(cmp['first_step_diff']):.0e}".replace("e-0", "e-")
+    return "\n".join(lines + ["", wrap(
+        f"The first losses {first} and the curves stay within {cmp['max_abs_diff']:.3f} of each other. "
+        f"CCE takes {x(a['peak_mem_max'] / b['peak_mem_max'])} the peak memory and runs at "
+        f"{x(a['tokens_per_s_median'] / b['tokens_per_s_median'])} the tokens/s.")])
+
+
+def performance_tp() -> str:
+    tr, rd, g = tp_facts(), tp_facts(regime="random"), load(GPT2)["cases"]
+    t, tp, m = tr["t"], tr["tp"], "megatron"
+    ks, sp = [(n, False) for n in (1, 2, 4)], [(2, True), (4, True)]
+
+    def by(f, keys, fmt=ms):
+        return " / ".join(fmt(f(k)) for k in keys)
+
+    def mb(key):
+        return lambda k: tp[k][key]["mem_bytes"]
+
+    up = {k: f"{t((1, False)) / t((4, k[1])) if k[0] == 4 else t((1, False)) / t(k):.2f}×" for k in ks[1:] + sp}
+    errs = [tp[k][o][f"grad_{e}_rel_err"] for k in ks for o in (OURS, m) for e in "ec"]
+    gpt = {(c["regime"], c["tp"]): c["methods"][m]["fwd_bwd"]["median_ms"] / c["methods"][OURS]["fwd_bwd"][
+        "median_ms"] for c in g}
+    return "\n".join([header(TP, GPT2), wrap(
+        "- **Tensor parallelism** (4× H200, Gemma 2 2B head, N = 8,192 global tokens, commit f353185, "
+        f"`benchmarks/results/{TP}.md`): per rank, at TP = 1 / 2 / 4 (trained data), ours takes {by(t, ks)} ms "
+        f"({by(t, sp)} with SP) against {by(lambda k: t(k, m), ks)} ms ({by(lambda k: t(k, m), sp)} with SP) for "
+        f"`ColumnParallelLinear` + `vocab_parallel_cross_entropy`: {tr['x']} faster ({tr['x_sp']} with SP), at "
+        f"{by(mb(OURS), ks, C.fmt_mib)} MiB per rank ({by(mb(OURS), sp, C.fmt_mib)} with SP) against "
+        f"{by(mb(m), ks, C.fmt_mib)} ({by(mb(m), sp, C.fmt_mib)}). Random data: {rd['x']} faster ({rd['x_sp']} "
+        f"with SP). Our TP 2 and TP 4 are {up[2, False]} and {up[4, False]} faster than our TP 1 ({up[4, True]} "
+        f"with SP). Errors ∇E / ∇C {e3(errs[::4])} / {e3(errs[1::4])} against Megatron's {e3(errs[2::4] + errs[3::4])}. "
+        f"At GPT-2 small's head (8,192 tokens, one H100, `benchmarks/results/{GPT2}.md`) ours is "
+        f"{x(gpt['trained', 2])} faster at TP 2 (random data {x(gpt['random', 2])}), {x(gpt['trained', 1])} at TP 1.")])
 
 
 def megatron_memory() -> str:
@@ -179,7 +336,12 @@ def megatron_memory() -> str:
 
 
 BLOCKS = {
+    "readme-intro": readme_intro,
     "readme-measured": readme_measured,
+    "performance-short": performance_short,
+    "performance-vs-compile": performance_vs_compile,
+    "performance-runs": performance_runs,
+    "performance-tp": performance_tp,
     "performance-loss": performance_loss,
     "performance-train-tp2dp2": lambda: train_table(TRAIN_TP2DP2, "peak memory per rank"),
     "performance-train-1gpu": lambda: train_table(TRAIN_1GPU, "peak memory"),
