@@ -32,6 +32,8 @@ CBE, GPT2 = "h100_20261126_cbe5f8d", "h100_20261126_tp_gpt2"
 FULL_RUNS = (f"{H100}_trained", f"{REPEAT}_trained", "h100_20261126_abaf303_trained", CBE, f"{H200}_trained")
 TRAIN_TP2DP2, TRAIN_1GPU = "train_compare_h100x4_20261126", "train_compare_h100_20261126"
 OURS, MASKED, WEIGHTS = "ours:cce_kahan_full_c", "ours:cce_kahan_full_c/masked", "ours:cce_kahan_full_c/weighted"
+UNFOLDED, BASE = "ours:cce_kahan_full_c/unfolded", "base:cce_kahan_full_c"
+UPSTREAM = "h200_20261127_masked"  # the upstream variants and the A/B against 6465cfc
 
 
 def load(stem: str) -> dict:
@@ -64,13 +66,13 @@ def paired(stem: str, key: str = OURS) -> list[float]:
     return col(stem, key, "fwd_bwd", "vs_compile_paired")
 
 
-def over_mean(stem: str) -> dict:
-    """{shape: ours with Megatron's mask over ours with the plain mean, paired}."""
+def over_mean(stem: str, key: str = MASKED) -> dict:
+    """{shape: ours with an upstream variant (Megatron's mask by default) over ours with the plain mean, paired}."""
     import bench_loss
 
     meta = load(stem)["meta"]
     cs = cases(stem)
-    return {s: {k: r for k, _, r in bench_loss.over_base_paired(cs[s], meta)}[MASKED] for s in SHAPES}
+    return {s: {k: r for k, _, r in bench_loss.over_base_paired(cs[s], meta)}[key] for s in SHAPES}
 
 
 def mem(cs: dict, key: str) -> float:
@@ -255,6 +257,16 @@ def performance_runs() -> str:
         f"(`{a}_trained.md`, trained): {xs(paired(f'{a}_trained'), 3)}; at cbe5f8d (`{CBE}.md`, trained): {xs(paired(CBE), 3)}.")])
 
 
+def performance_upstream() -> str:
+    st = UPSTREAM
+    return "\n".join([header(st), wrap(
+        f"- **Per-token upstream gradients** (one H200, `{st}.md`, trained data, Gemma 2 2B / Llama 3 8B / Qwen 2.5 "
+        f"7B / Phi 3.5 mini, over ours with the plain mean, paired): Megatron's mask folded into `ignore_index` "
+        f"{xs(over_mean(st).values())}; the mask not folded (10 % masked) {xs(over_mean(st, UNFOLDED).values())}; "
+        f"random weights {xs(over_mean(st, WEIGHTS).values())}. In the same process the code before the ops/ split "
+        f"took {xs(paired(st, BASE), 3)} torch.compile's time, against ours' {xs(paired(st), 3)}.")])
+
+
 def performance_loss() -> str:
     tr, rd = cases(f"{H100}_trained"), cases(f"{H100}_random")
     wtr, wrd = cases(f"{WEIGHTED}_trained"), cases(f"{WEIGHTED}_random")
@@ -343,6 +355,7 @@ BLOCKS = {
     "performance-runs": performance_runs,
     "performance-tp": performance_tp,
     "performance-loss": performance_loss,
+    "performance-upstream": performance_upstream,
     "performance-train-tp2dp2": lambda: train_table(TRAIN_TP2DP2, "peak memory per rank"),
     "performance-train-1gpu": lambda: train_table(TRAIN_1GPU, "peak memory"),
     "megatron-memory": megatron_memory,
