@@ -205,12 +205,17 @@ def lst(vals, f=C.fmt_mib) -> str:
     return " / ".join(map(f, vals))
 
 
+def floor(stem: str) -> str:
+    """Ours' TFLOP/s in a loss result, and as a fraction of cuBLAS's logits GEMM alone."""
+    flops, gemm = col(stem, OURS, "fwd_bwd_tflops"), [cases(stem)[s]["matmul"]["tflops"] for s in SHAPES]
+    return (f"{lst(flops, '{:.0f}'.format)} TFLOP/s (6·N·V·D over the call), "
+            f"{lst([a / b for a, b in zip(flops, gemm)], '{:.2f}'.format)} of cuBLAS's bf16 logits GEMM alone at each "
+            f"shape in that run ({lst(gemm, '{:.0f}'.format)} TFLOP/s)")
+
+
 def performance_vs_compile() -> str:
     trained, random = f"{H100}_trained", f"{H100}_random"
     phi = [col(trained, k, "fwd_bwd_mem_bytes")[3] / C.MiB for k in (OURS, "compile")]
-    gemm = [cases(trained)[s]["matmul"]["tflops"] for s in SHAPES]
-    flops = col(trained, OURS, "fwd_bwd_tflops")
-    frac = [a / b for a, b in zip(flops, gemm)]
     om_tr, om_rd = over_mean(trained), over_mean(random)
     errs = {(st, k, g): col(st, k, f"grad_{g}_rel_err") for st in (trained, random) for k in (OURS, "compile")
             for g in "ec"}
@@ -229,8 +234,7 @@ def performance_vs_compile() -> str:
         f"(Phi 3.5 mini: {phi[0]:.1f} against {phi[1]:.1f} MiB, per-token buffers above it); with Megatron's "
         f"mask {xs(paired(trained, MASKED), 3)} (random {xs(paired(random, MASKED), 3)}), "
         f"{xs(om_tr.values(), 3)} ours with the plain mean (random {xs(om_rd.values(), 3)}). "
-        f"{lst(flops, '{:.0f}'.format)} TFLOP/s (6·N·V·D over the call), {lst(frac, '{:.2f}'.format)} of cuBLAS's bf16 logits GEMM alone at each shape in that run "
-        f"({lst(gemm, '{:.0f}'.format)} TFLOP/s). Errors ∇E / ∇C {err(trained, OURS)} on trained data against torch.compile's "
+        f"{floor(trained)}. Errors ∇E / ∇C {err(trained, OURS)} on trained data against torch.compile's "
         f"{err(trained, 'compile')}; on random data {err(random, OURS)} against {err(random, 'compile')}. The second run of the "
         f"same code below differs by up to {spread(H100, REPEAT):.1f} %; Qwen 2.5 7B has measured "
         f"{rng(qwen, '{:.2f}', '×')} across the committed full runs (trained data; this one, the repeat, "
@@ -265,6 +269,28 @@ def performance_upstream() -> str:
         f"{xs(over_mean(st).values())}; the mask not folded (10 % masked) {xs(over_mean(st, UNFOLDED).values())}; "
         f"random weights {xs(over_mean(st, WEIGHTS).values())}. In the same process the code before the ops/ split "
         f"took {xs(paired(st, BASE), 3)} torch.compile's time, against ours' {xs(paired(st), 3)}.")])
+
+
+def performance_mask() -> str:
+    st = f"{H200}_trained"
+    return "\n".join([header(st, f"{H200}_random"), wrap(
+        "- **Megatron's loss × mask / count** (10 % masked, the mask folded into `ignore_index`): "
+        f"{xs(over_mean(st).values(), 3)} ours with the plain mean on Gemma 2 2B / Llama 3 8B / Qwen 2.5 7B / Phi "
+        f"3.5 mini (random {xs(over_mean(f'{H200}_random').values(), 3)}; per-round ratios, commit f353185).")])
+
+
+def performance_dc_first() -> str:
+    ab, floor_st = "h100_20261125_ab", f"{H200}_trained"
+    t, meta = [lst(col(ab, k), "{:.1f}".format) for k in (OURS, "ours:cce", BASE, "base:cce")], load(ab)["meta"]
+    return "\n".join([header(floor_st, ab), wrap(
+        f"- **Against the floor**: at commit f353185 (trained data) the default path runs {floor(floor_st)}."), wrap(
+        "- **∇C before ∇E** (commit 6af9dd4): the per-token scaled E_block, the ∇C GEMM's operand, sits in the "
+        "memory of ∇E's rows before the ∇E GEMM writes them, instead of a [block, D] temporary. In an A/B against "
+        f"the commit before (`benchmarks/results/{ab}.md`, {meta['repeats']} calls in {meta['rounds']} rounds, the "
+        "impls `cce_kahan_full_c` and `cce`, which run the same code, for each commit) on Gemma 2 2B / Llama 3 8B "
+        f"/ Qwen 2.5 7B / Phi 3.5 mini, in ms: {t[0]} and {t[1]} against {t[2]} and {t[3]} (no difference beyond "
+        f"that between the two names of one commit), at peaks of {lst(col(ab, OURS, 'fwd_bwd_mem_bytes'))} against "
+        f"{lst(col(ab, BASE, 'fwd_bwd_mem_bytes'))} MiB.")])
 
 
 def performance_loss() -> str:
@@ -356,6 +382,8 @@ BLOCKS = {
     "performance-tp": performance_tp,
     "performance-loss": performance_loss,
     "performance-upstream": performance_upstream,
+    "performance-mask": performance_mask,
+    "performance-floor": performance_dc_first,
     "performance-train-tp2dp2": lambda: train_table(TRAIN_TP2DP2, "peak memory per rank"),
     "performance-train-1gpu": lambda: train_table(TRAIN_1GPU, "peak memory"),
     "megatron-memory": megatron_memory,
