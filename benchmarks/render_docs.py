@@ -394,14 +394,17 @@ def accuracy_bench() -> str:
 
 def megatron_memory() -> str:
     stem = "h200_20261123_megatron_memory"
-    res = {k: v[0] for k, v in load(stem)["results"].items()}
+    d = load(stem)
+    res, c = {k: v[0] for k, v in d["results"].items()}, d["config"]
     meg, cce = res["megatron"], res["cce:cce_kahan_full_c"]
-    return "\n".join([
-        header(stem),
-        (f"The step peak is {C.fmt_mib(cce['step_peak_bytes'])} MiB per rank with CCE (`cce_kahan_full_c`) against "
+    return "\n".join([header(stem), wrap(
+        f"**Memory.** One GPTModel step at V = {c['vocab']:,}, TP = {c['tp']} (hidden {c['hidden']}, {c['layers']} "
+        f"layers, {'sequence parallelism, ' if c['sp'] else ''}bf16, {c['seq'] * c['mbs']:,} tokens, megatron-core "
+        f"0.19.2, budget `auto`), measured on {d['world']}× H200 at commit {d['meta']['git_commit']}: the step peak is "
+        f"{C.fmt_mib(cce['step_peak_bytes'])} MiB per rank with CCE (`cce_kahan_full_c`) against "
         f"{C.fmt_mib(meg['step_peak_bytes'])} MiB on Megatron's path "
         f"({x(cce['step_peak_bytes'] / meg['step_peak_bytes'])}), and the step takes {cce['step_ms']:.1f} ms against "
-        f"{meg['step_ms']:.1f} ms (`benchmarks/bench_tp.py --gpt-step`; `benchmarks/results/{stem}.md`).")])
+        f"{meg['step_ms']:.1f} ms (`benchmarks/results/{stem}.md`).")])
 
 
 BLOCKS = {
