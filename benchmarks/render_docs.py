@@ -395,6 +395,19 @@ def training_determinism() -> str:
         "(about 0.9×, [`determinism.log`](../benchmarks/results/train_resilience_h200x4_20261126/determinism.log)).")])
 
 
+def internals_budgets() -> str:
+    st, auto, big, small = "h100_20261125_budgets", OURS, f"{OURS}@3g", f"{OURS}@256m"
+    t, m = {k: col(st, k) for k in (auto, big, small, "compile")}, {k: col(st, k, "fwd_bwd_mem_bytes") for k in (auto, big, small)}
+    large = [i for i, s in enumerate(SHAPES) if s in LARGE]
+    return "\n".join([header(st), wrap(
+        f"- **What the budgets cost.** At 8,192 tokens (H100, `benchmarks/results/{st}.md`, all in one run) `\"auto\"` "
+        f"took {lst(t[auto], ms)} ms at {lst(m[auto])} MiB on Gemma 2 2B / Llama 3 8B / Qwen 2.5 7B / Phi 3.5 mini, "
+        f"against {lst(t[big], ms)} ms at {lst(m[big])} MiB for a 3 GiB budget (two blocks for Gemma, one for the "
+        f"others; torch.compile {lst(t['compile'], ms)} ms): {rng([100 * (t[auto][i] / t[big][i] - 1) for i in large], '{:.0f}', ' %')} "
+        f"more time for {rng([(m[big][i] - m[auto][i]) / 2**30 for i in large])} GiB less. A 256 MiB budget: "
+        f"{lst(t[small], ms)} ms at {lst(m[small])} MiB.")])
+
+
 CONF = "h100_20261124_confident"  # half the rows at p(target) = 0.99; base is commit 8fc9c2a
 
 
@@ -454,6 +467,7 @@ BLOCKS = {
     "accuracy-short": accuracy_short,
     "accuracy-bench": accuracy_bench,
     "training-gemma2": training_gemma2,
+    "internals-budgets": internals_budgets,
     "training-determinism": training_determinism,
 }
 _BLOCK = re.compile(r"(<!-- render:([\w-]+) -->\n)(.*?)(<!-- /render:\2 -->)", re.DOTALL)
