@@ -1,9 +1,10 @@
-"""The benchmarks, one CLI: ``python -m benchmarks {loss,tp,sweep,render,baseline} [options]``.
+"""The benchmarks, one CLI: ``python -m benchmarks COMMAND [options]``.
 
     loss     one GPU: loss + gradients of every peer side by side (``loss --help``)
     tp       TP on every visible GPU against Megatron's output path: one torchrun launch of
              bench_tp.py per TP size (``--sizes 1,2,4``, ``--launch-timeout S``), then one merged report
-    sweep    the train job at growing sequence lengths / micro-batches per loss.impl (train_sweep.py)
+    compare, sweep, resilience   the train job under torchrun (train.py): loss layers side by side,
+             the largest run each loss.impl trains, what checkpoints / signals / determinism cost
     render   no GPU: merge result files of one kind and rewrite their .md; with
              ``--docs [--check]``, rewrite (or check) the generated blocks of README.md and docs/*.md
     baseline REF DIR   write cce_parallel as it is at git REF to DIR/cce_parallel_<sha>, for
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_loss.main(rest)
     if command == "tp":
         return run_tp(rest)
-    if command == "sweep":
-        import train_sweep
+    if command in ("compare", "sweep", "resilience"):
+        import train
 
-        return train_sweep.main(rest)
+        return train.main(argv)
     if command == "render":
         return render(rest)
     if command == "baseline":
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.dir).mkdir(parents=True, exist_ok=True)
         print(C.export_baseline(a.ref, Path(a.dir)))
         return 0
-    raise SystemExit(f"unknown command {command!r}; known: loss, tp, sweep, render, baseline")
+    raise SystemExit(f"unknown command {command!r}; known: loss, tp, compare, sweep, resilience, render, baseline")
 
 
 if __name__ == "__main__":

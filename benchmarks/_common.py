@@ -48,9 +48,6 @@ class Shape:
     V: int
     D: int
 
-    def with_tokens(self, n: int) -> Shape:
-        return Shape(self.name, n, self.V, self.D)
-
     @property
     def label(self) -> str:
         return f"{self.name} (N={self.N}, V={self.V}, D={self.D})"
@@ -555,15 +552,6 @@ def get(r, *path):
             return None
         r = r.get(p)
     return as_float(r)
-
-
-def method_order(cases: list[dict]) -> list[tuple[str, str]]:
-    """(key, label) of every method in the cases, in the order first seen."""
-    seen: dict[str, str] = {}
-    for cs in cases:
-        for k, r in cs["methods"].items():
-            seen.setdefault(k, r.get("label", k))
-    return list(seen.items())
 
 
 def fmt_num(x, spec: str = ".1f", missing: str = "–") -> str:

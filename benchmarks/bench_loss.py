@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_METHODS = "eager,compile,liger,cutce,torch_lce,ours"
-DEFAULT_SWEEP = "1024,2048,4096,8192,16384,32768,65536"
 FLOP_CONVENTION = "forward+backward: 6·N·V·D FLOPs (logits, ∇E, ∇C), no credit for recomputing the logits"
 MEMORY_CONVENTION = (
     "peak torch.cuda.max_memory_allocated above memory_allocated just before the call, "
@@ -275,10 +274,10 @@ def interleaved_fwd_bwd(alive: list, e, c, t, shape: C.Shape, args, device, resu
             res["fwd_bwd"]["vs_compile_paired"] = C.paired_ratio(times, ref, sizes)
 
 
-def run_case(kind: str, shape: C.Shape, regime: str, methods, args, device, dtype, seed: int, sink: list) -> None:
+def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: int, sink: list) -> None:
     """Measure one case; its dict goes into ``sink`` first, so a fatal error keeps what was measured."""
     elem = torch.finfo(dtype).bits // 8
-    out = {"kind": kind, "shape": shape.name, "N": shape.N, "V": shape.V, "D": shape.D, "regime": regime,
+    out = {"kind": "main", "shape": shape.name, "N": shape.N, "V": shape.V, "D": shape.D, "regime": regime,
            "dtype": str(dtype).replace("torch.", ""), "seed": seed,
            "lower_bound_bytes": (shape.N * shape.D + shape.V * shape.D) * elem,
            "input_bytes": (shape.N * shape.D + shape.V * shape.D) * elem + shape.N * 8, "methods": {}}
@@ -416,23 +415,6 @@ def render_markdown(data: dict) -> str:
         lines += [f"- fwd+bwd of `{key}` over `{base}`'s, paired: {ratio:.3f}" for key, base, ratio in paired]
         if paired:
             lines.append("")
-    sweep = [cs for cs in data["cases"] if cs["kind"] == "sweep"]
-    if sweep:
-        lines += [f"## Token sweep on {sweep[0]['shape']} (V={sweep[0]['V']}, D={sweep[0]['D']})", ""]
-        methods = [(k, lab) for k, lab in C.method_order(sweep)
-                   if any(cs["methods"].get(k, {}).get("status") != "unavailable" for cs in sweep)]
-        for regime in dict.fromkeys(cs["regime"] for cs in sweep):
-            rows = []
-            for cs in sorted([cs for cs in sweep if cs["regime"] == regime], key=lambda x: x["N"]):
-                cells = [cs["N"], C.fmt_mib(cs["lower_bound_bytes"]), C.fmt_num(get(cs, "matmul", "ms"), ".2f")]
-                for k, _ in methods:
-                    r = cs["methods"].get(k, {})
-                    ms = get(r, "fwd_bwd", "median_ms")
-                    cells.append({"oom": "OOM", "error": "err"}.get(r.get("status"), "–") if ms is None
-                                 else f"{ms:.1f} / {C.fmt_mib(get(r, 'fwd_bwd_mem_bytes'))}")
-                rows.append(cells)
-            lines += [f"### {regime}: fwd+bwd ms / fwd+bwd MiB (OOM, err: failed)", "",
-                      *C.md_table(["N", "lower bound MiB", "cuBLAS mm ms", *(lab for _, lab in methods)], rows), ""]
     for key, what in (("skipped_cases", "time budget: cases not run"), ("aborted", "run aborted")):
         if data.get(key):
             lines += [f"**{what}:** {data[key]}", ""]
@@ -466,13 +448,11 @@ def parse_args(argv=None):
     methods_help = ("eager, compile, liger, cutce, torch_lce, "
                     "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
     p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
-    p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD), or 'none'")
+    p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD)")
     p.add_argument("--tokens", type=int, default=C.DEFAULT_TOKENS, help="tokens N for the model shapes")
-    p.add_argument("--sweep", default=DEFAULT_SWEEP, help="token counts of the sweep, 'none' to skip it")
-    p.add_argument("--sweep-shape", default="gemma2-2b", help="model shape of the token sweep")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="the cce_parallel of base[...] methods: a folder from `python -m benchmarks baseline`")
-    smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "sweep": "16,32,64", "sweep_shape": "tiny-a", "tokens": 64,
+    smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "tokens": 64,
              "warmup": 1, "repeats": 3, "methods": "eager,torch_lce,ours:torch"}
     return C.parse_run_args(p, argv, smoke)
 
@@ -488,15 +468,11 @@ def main(argv=None) -> int:
         device, table, default_out = "cuda", C.MODEL_SHAPES, C.RESULTS
         torch.backends.cuda.matmul.allow_tf32 = False
     out_dir = Path(args.out) if args.out else default_out
-    shapes_arg = C.csv_list(args.shapes)
-    shapes = [] if shapes_arg == ["none"] else [C.parse_shape(s, args.tokens, table) for s in shapes_arg]
+    shapes = [C.parse_shape(s, args.tokens, table) for s in C.csv_list(args.shapes)]
     regimes = C.csv_list(args.regimes)
     C.check_regimes(regimes)
-    sweep_tokens = [] if args.sweep.strip() == "none" else [int(x) for x in C.csv_list(args.sweep)]
-    sweep_base = C.parse_shape(args.sweep_shape, args.tokens, table) if sweep_tokens else None
     # Shape-major order: a second regime of the same shape reuses compiled / autotuned kernels.
-    cases = [("main", s, r) for s in shapes for r in regimes]
-    cases += [("sweep", sweep_base.with_tokens(n), r) for n in sweep_tokens for r in regimes]
+    cases = [(s, r) for s in shapes for r in regimes]
 
     baseline = C.import_baseline(args.baseline) if args.baseline else None
     methods = build_methods(C.csv_list(args.methods), baseline)
@@ -524,10 +500,10 @@ def main(argv=None) -> int:
                                                           dtype=dtype)}
     rc = 0
     try:
-        for i, (kind, shape, regime) in enumerate(cases):
-            print(f"[{time.monotonic() - start:6.0f}s] case {i + 1}/{len(cases)}: {kind} {shape.label} {regime}",
+        for i, (shape, regime) in enumerate(cases):
+            print(f"[{time.monotonic() - start:6.0f}s] case {i + 1}/{len(cases)}: {shape.label} {regime}",
                   flush=True)
-            run_case(kind, shape, regime, methods, args, device, dtype, args.seed + i, data["cases"])
+            run_case(shape, regime, methods, args, device, dtype, args.seed + i, data["cases"])
             for r in data["cases"][-1]["methods"].values():
                 print(f"  {r['key']:<28} {r['status']:<6} f+b {C.fmt_num(C.get(r, 'fwd_bwd', 'median_ms'), '.2f')} ms"
                       f"  ×compile {C.fmt_num(C.get(r, 'fwd_bwd', 'vs_compile_paired'), '.3f')}"

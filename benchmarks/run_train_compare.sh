@@ -72,7 +72,7 @@ for impl in ${IMPLS:-cce_kahan_full_c megatron megatron_fused}; do
     runs+=("$out/$name")
 done
 
-$py benchmarks/train_compare.py --runs "${runs[@]}" --out "$out" \
+$py -m benchmarks compare --runs "${runs[@]}" --out "$out" \
     --command "benchmarks/run_train_compare.sh $*  (RECIPE=$recipe NPROC=$nproc STEPS=${STEPS:-300} GBS=${GBS:-64} MBS=${MBS:-8} EXTRA=${EXTRA:-})" \
     || rc=$?
 exit $rc

@@ -1,4 +1,4 @@
-"""benchmarks/train_sweep.py: each impl's sweep stops at its first point that does not train, and
+"""benchmarks/train.py sweep: each impl's sweep stops at its first point that does not train, and
 the report names each impl's largest point and the first impl's ratio over it."""
 
 import json
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_sweep_stops_at_the_first_failure_and_reports_the_largest(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import train_sweep
+        import train
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     fits = {"cce": 8192, "megatron": 2048}  # the longest sequence each one trains
@@ -25,10 +25,10 @@ def test_sweep_stops_at_the_first_failure_and_reports_the_largest(tmp_path, monk
         return {"impl": impl, "seq": seq, "mbs": mbs, "trained": ok, "tokens_per_s": 1000.0 if ok else None,
                 "peak_mem_max": 2**30 if ok else None, "why": None if ok else "out of memory", "meta": meta}
 
-    monkeypatch.setattr(train_sweep, "launch", launch)
+    monkeypatch.setattr(train, "sweep_point", launch)
     out = tmp_path / "out"
-    assert train_sweep.main(["--out", str(out), "--work", str(tmp_path / "work"), "--impls", "cce", "megatron",
-                             "--seq", "2048", "4096", "8192", "16384"]) == 0
+    assert train.main(["sweep", "--out", str(out), "--work", str(tmp_path / "work"), "--impls", "cce", "megatron",
+                       "--seq", "2048", "4096", "8192", "16384"]) == 0
     assert tried == [("cce", 2048), ("cce", 4096), ("cce", 8192), ("cce", 16384), ("megatron", 2048),
                      ("megatron", 4096)]
     summary = json.loads(next(out.glob("train_sweep_h200x4_*.json")).read_text())

@@ -1,0 +1,540 @@
+"""The train job as a benchmark: torchrun launches of cce_parallel.train, then one report.
+
+    compare     runs of one recipe that differ in loss.impl (run_train_compare.sh launches them):
+                loss curves, tokens/s, MFU and peak memory per rank against the first run
+    sweep       per loss.impl, one launch per (seq_length, micro_batch) point up to its first that
+                does not train: the largest each one trains
+    resilience  what background checkpoints, a save on SIGTERM and deterministic mode cost a run
+
+    python -m benchmarks compare --runs OUT/gpt2-small-cce_kahan_full_c OUT/gpt2-small-megatron --out OUT
+    python -m benchmarks sweep --out OUT --seq 2048 --mbs 4 8 12 16 24 --tag mbs
+    python -m benchmarks resilience --phase throughput --out OUT
+
+benchmarks/README.md gives each one's options, what it measures and its CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(1, str(ROOT))
+
+import _common as C
+
+from cce_parallel.train.metrics import read_metrics
+
+OOM = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+# ---- Shared: launch, read, report ----------------------------------------------------------------
+
+
+def torchrun(nproc: int, recipe: str, sets: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "cce_parallel.train", "--recipe", recipe, "--set", *sets]
+
+
+def launch(cmd: list[str], *, timeout: float, log: Path | None = None, env: dict | None = None,
+           metrics: Path | None = None, signal_at: int | None = None) -> dict:
+    """One launch, SIGKILLed after `timeout` s (exit "timeout"); output to `log` where given. With
+    signal_at, SIGTERM to torchrun once `metrics` logs that step. Returns {exit, seconds, signalled_at}."""
+    start = time.monotonic()
+    status = signalled = None
+    with open(log, "w") if log else contextlib.nullcontext() as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                stdout=out, stderr=subprocess.STDOUT if out else None)
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - start > timeout:
+                    proc.send_signal(signal.SIGKILL)
+                    status = "timeout"
+                    break
+                if signal_at is not None and signalled is None and metrics.exists():
+                    steps = read_metrics(metrics)["train"]
+                    if max(steps, default=0) >= signal_at:
+                        signalled = max(steps)
+                        print(f"=== SIGTERM to torchrun after step {signalled}", flush=True)
+                        proc.send_signal(signal.SIGTERM)
+                time.sleep(0.2)
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return {"exit": status or proc.returncode, "seconds": time.monotonic() - start, "signalled_at": signalled}
+
+
+def throughput(train: dict, warmup: int) -> dict:
+    """Medians over the steps after `warmup` (over all where none is), and the last peak memory per rank."""
+    steps = sorted(train)
+    timed = [train[s] for s in steps if s > warmup] or [train[s] for s in steps]
+    peaks = [train[s]["peak_mem_per_rank"] for s in steps if train[s].get("peak_mem_per_rank")]
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    return {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed),
+            "step_time_ms_median": 1000 * statistics.median(r["step_time"] for r in timed),
+            "mfu_median": statistics.median(mfus) if mfus else None,
+            "peak_mem_per_rank": peaks[-1] if peaks else None, "peak_mem_max": max(peaks[-1]) if peaks else None}
+
+
+def run_day(meta: dict) -> _dt.date:
+    """The day the run started (not the day of rendering)."""
+    return _dt.datetime.fromtimestamp(meta["time"], tz=_dt.timezone.utc).date()
+
+
+def versions(meta: dict) -> str:
+    return (f"commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
+            f"{run_day(meta).isoformat()}")
+
+
+def write(stem: Path, data: dict, markdown: str) -> None:
+    C.write_report(stem, data, markdown)
+    print(markdown)
+
+
+# ---- compare: runs of one recipe that differ in loss.impl ----------------------------------------
+
+
+def read_run(run_dir: Path) -> dict:
+    """meta (the last start's), train and eval records by step (the last record of each step wins)."""
+    m = read_metrics(run_dir / "metrics.jsonl")
+    if not m["meta"] or not m["train"]:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds no run (meta: {bool(m['meta'])}, steps: {len(m['train'])})")
+    return {"dir": str(run_dir), "meta": m["meta"][-1], "train": m["train"], "eval": m["eval"]}
+
+
+def run_label(meta: dict) -> str:
+    """loss.impl, with the fusion megatron_fused ran: megatron-core's cross_entropy_fusion_impl
+    (the job's meta ``loss_fusion``; the recipe's loss.fusion_impl where an older run lacks it)."""
+    loss = meta["recipe"]["loss"]
+    if loss["impl"] != "megatron_fused":
+        return loss["impl"]
+    return f"megatron_fused ({meta.get('loss_fusion') or loss.get('fusion_impl', '?')})"
+
+
+def summarize(run: dict, warmup: int) -> dict:
+    meta, train = run["meta"], run["train"]
+    steps = sorted(train)
+    last_eval = run["eval"][max(run["eval"])] if run["eval"] else None
+    tail = [train[s]["loss"] for s in steps[-min(20, len(steps)):]]
+    return {
+        "label": run_label(meta), "run_dir": run["dir"], "steps": len(steps),
+        "tokens_per_step": meta["recipe"]["train"]["global_batch_size"] * meta["recipe"]["model"]["seq_length"],
+        **throughput(train, warmup),
+        "first_loss": train[steps[0]]["loss"], "final_loss_mean20": sum(tail) / len(tail),
+        "final_val_loss": last_eval["val_loss"] if last_eval else None,
+        "final_val_ppl": last_eval["val_ppl"] if last_eval else None,
+        "params": meta["params_total"], "vocab": meta["vocab_size"], "layout": meta["layout"], "dtype": meta["dtype"],
+        "device_name": meta["device_name"], **{k: meta.get(k) for k in ("commit", "command", "torch", "megatron_core")},
+    }
+
+
+def compare_losses(a: dict, b: dict) -> dict:
+    common = sorted(set(a["train"]) & set(b["train"]))
+    diffs = [a["train"][s]["loss"] - b["train"][s]["loss"] for s in common]
+    evals = sorted(set(a["eval"]) & set(b["eval"]))
+    return {"steps_compared": len(common), "max_abs_diff": max((abs(d) for d in diffs), default=None),
+            "mean_diff_last50": statistics.mean(diffs[-50:]) if diffs else None,
+            "first_step_diff": diffs[0] if diffs else None,
+            "val_loss_diff": {s: a["eval"][s]["val_loss"] - b["eval"][s]["val_loss"] for s in evals}}
+
+
+def compare_md(data: dict) -> str:
+    m, runs, r0 = data["meta"], data["runs"], data["runs"][0]
+    lines = [f"# Training with CCE vs megatron-core's loss layer: {m['device']} x {r0['layout']['world']}", "",
+             f"{m['date']} · commit `{m['git_commit']}` · torch {r0['torch']} · megatron-core {r0['megatron_core']}", "",
+             (f"Model: {r0['params'] / 1e6:.1f}M parameters, vocabulary {r0['vocab']:,} (padded), {r0['dtype']}, layout "
+              f"tp {r0['layout']['tp']} x pp {r0['layout']['pp']} x dp {r0['layout']['dp']}, "
+              f"{r0['tokens_per_step']:,} tokens/step, {r0['steps']} steps. "
+              f"Throughput: median over steps after {data['warmup']}."), ""]
+    rows = []
+    for r in runs:
+        peaks = " / ".join(f"{p / 2**30:.2f}" for p in r["peak_mem_per_rank"]) if r["peak_mem_per_rank"] else "–"
+        mfu = f"{100 * r['mfu_median']:.1f}%" if r["mfu_median"] is not None else "–"
+        rows.append([r["label"], f"{r['tokens_per_s_median']:,.0f}", f"{r['step_time_ms_median']:.0f}", mfu, peaks,
+                     f"{r['first_loss']:.4f}", f"{r['final_loss_mean20']:.4f}", C.fmt_num(r["final_val_loss"], ".4f"),
+                     C.fmt_num(r["final_val_ppl"], ".2f")])
+    lines += C.md_table(["loss layer", "tokens/s", "ms/step", "MFU", "peak memory per rank (GiB)", "first loss",
+                         "last-20 loss", "val loss", "val ppl"], rows)
+    for pair in data["comparisons"]:
+        c = pair["losses"]
+        val = ", ".join(f"step {s}: {d:+.4f}" for s, d in c["val_loss_diff"].items()) or "–"
+        lines += ["", (f"{pair['a']} − {pair['b']}: first-step loss difference {C.fmt_num(c['first_step_diff'], '.2e')}, "
+                       f"max |difference| over {c['steps_compared']} steps {C.fmt_num(c['max_abs_diff'], '.3f')}, "
+                       f"mean difference over the last 50 steps {C.fmt_num(c['mean_diff_last50'], '.4f')}; "
+                       f"validation loss differences {val}.")]
+    lines += ["", f"Command: `{m['command']}`", "", *(f"- {r['label']}: `{r['command']}`" for r in runs)]
+    return "\n".join(lines) + "\n"
+
+
+def compare(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks compare")
+    ap.add_argument("--runs", nargs="+", required=True, help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--out", required=True, help="directory for the report")
+    ap.add_argument("--tag", help="suffix of the report's file names")
+    ap.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (default 10)")
+    ap.add_argument("--command", help="the command that produced the runs (recorded)")
+    args = ap.parse_args(argv)
+
+    runs = [read_run(Path(d)) for d in args.runs]
+    summaries = [summarize(r, args.warmup) for r in runs]
+    if len({s["label"] for s in summaries}) < len(summaries):  # runs of one impl (an A/B of something else)
+        for s, r in zip(summaries, runs):
+            s["label"] += f" ({r['meta']['recipe']['run']['name']})"
+    device = summaries[0]["device_name"]
+    meta = {"device": device, "gpu": C.gpu_slug(device), "git_commit": summaries[0]["commit"] or C.git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "command": args.command or " ".join([sys.executable, *sys.argv])}
+    comparisons = [{"a": summaries[0]["label"], "b": s["label"], "losses": compare_losses(runs[0], r)}
+                   for r, s in zip(runs[1:], summaries[1:])]
+    data = {"meta": meta, "warmup": args.warmup, "runs": summaries, "comparisons": comparisons}
+    day = meta["date"][:10].replace("-", "")
+    stem = Path(args.out) / (f"train_compare_{meta['gpu']}_{day}" + (f"_{args.tag}" if args.tag else ""))
+    write(stem, data, compare_md(data))
+    return 0 if all(math.isfinite(s["final_loss_mean20"]) for s in summaries) else 1
+
+
+# ---- sweep: the largest run each loss.impl trains ------------------------------------------------
+
+
+def sweep_point(args, impl: str, seq: int, mbs: int) -> dict:
+    """One run of the recipe at (seq, mbs): {"trained": bool, "why", tokens/s, peak memory}."""
+    name = f"{impl}-s{seq}-m{mbs}"
+    work = Path(args.work)
+    sets = [f"run.out_dir={work / 'runs'}", f"run.name={name}", "run.seed=1234", "checkpoint.interval=0",
+            "checkpoint.resume=never", "checkpoint.at_end=false", "data.source=stdlib", "data.tokenizer=bpe",
+            "data.vocab_size=8192", f"data.dir={work / 'data'}", f"model.seq_length={seq}",
+            f"train.micro_batch_size={mbs}", f"train.global_batch_size={mbs * args.nproc * args.accumulation}",
+            f"train.steps={args.steps}", "optim.warmup_steps=1", "eval.interval=0", "eval.iters=1", "logging.interval=1",
+            "logging.wandb=disabled", "loss.softcap=null", f"loss.impl={impl}", *args.extra]
+    log = work / f"{name}.log"
+    print(f"=== {name} ({time.strftime('%H:%M:%S')})", flush=True)
+    run = launch(torchrun(args.nproc, args.recipe, sets), timeout=args.launch_timeout, log=log)
+    point = {"impl": impl, "seq": seq, "mbs": mbs, "exit": run["exit"], "seconds": run["seconds"]}
+    path = work / "runs" / name / "metrics.jsonl"
+    metrics = read_metrics(path) if path.exists() else None
+    train = metrics["train"] if metrics else {}
+    point["trained"] = run["exit"] == 0 and len(train) == args.steps
+    if point["trained"]:
+        measured = throughput(train, warmup=min(train))  # the steps after the first
+        point["tokens_per_s"] = measured["tokens_per_s_median"]
+        point["peak_mem_max"] = measured["peak_mem_max"]
+        point["meta"] = metrics["meta"][-1]
+    else:
+        text = log.read_text(errors="replace")
+        point["why"] = "out of memory" if any(s in text for s in OOM) else "timeout" if run["exit"] == "timeout" \
+            else f"exit {run['exit']}: " + " | ".join(text.strip().splitlines()[-3:])[-300:]
+    print(f"=== {name}: " + (f"{point['tokens_per_s']:,.0f} tokens/s, peak {(point['peak_mem_max'] or 0) / 2**30:.1f} GiB"
+                            if point["trained"] else point["why"]), flush=True)
+    return point
+
+
+def sweep_points(args) -> list[dict]:
+    path = Path(args.out) / "points.json"
+    points = json.loads(path.read_text()) if path.exists() else []
+    for impl in args.impls:
+        for seq in args.seq:
+            for mbs in args.mbs:
+                point = sweep_point(args, impl, seq, mbs)
+                points.append(point)
+                path.write_text(json.dumps(points, indent=1))
+                if not point["trained"]:
+                    break
+            else:
+                continue
+            break  # this impl's first failure ends its sweep
+    return points
+
+
+def sweep_report(args, points: list[dict]) -> None:
+    meta = next(p["meta"] for p in points if p.get("meta"))
+    gpu, world, day = meta["device_name"], meta["layout"]["world"], run_day(meta)
+    largest = {}
+    for p in points:
+        if p["trained"]:
+            best = largest.get(p["impl"])
+            if best is None or (p["seq"] * p["mbs"], p["seq"]) > (best["seq"] * best["mbs"], best["seq"]):
+                largest[p["impl"]] = p
+    first = args.impls[0]
+    ref = largest.get(first)
+    lines = [f"# The largest run each loss layer trains: {args.recipe}, {world}x {gpu}", "",
+             f"- {versions(meta)}; tp {meta['layout']['tp']} x dp {meta['layout']['dp']}; loss.softcap null",
+             f"- `python -m benchmarks sweep {' '.join(args.argv)}`", ""]
+    rows = [[p["impl"], f"{p['seq']:,}", p["mbs"], "yes" if p["trained"] else p["why"],
+             f"{p['tokens_per_s']:,.0f}" if p["trained"] else "",
+             f"{(p['peak_mem_max'] or 0) / 2**30:.1f}" if p["trained"] else ""] for p in points]
+    lines += C.md_table(["loss.impl", "sequence", "micro-batch", "trained", "tokens/s", "peak memory per rank (GiB)"],
+                        rows)
+    rows = []
+    for impl in args.impls:
+        p = largest.get(impl)
+        if p is None:
+            rows.append([impl, "none trained", "", ""])
+            continue
+        ratio = f"{ref['seq'] * ref['mbs'] / (p['seq'] * p['mbs']):.2f}" if ref else ""
+        rows.append([impl, f"{p['seq']:,} x {p['mbs']}", f"{p['seq'] * p['mbs']:,}", ratio])
+    lines += ["", *C.md_table(["loss.impl", "largest (sequence x micro-batch)", "tokens", f"{first}'s tokens over it"],
+                              rows)]
+    name = f"train_sweep_{C.gpu_slug(gpu)}x{world}_{day.strftime('%Y%m%d')}" + (f"_{args.tag}" if args.tag else "")
+    summary = {"gpu": gpu, "world": world, "recipe": args.recipe, "commit": meta.get("commit"), "date": day.isoformat(),
+               "command": args.argv, "largest": {k: {"seq": v["seq"], "mbs": v["mbs"]} for k, v in largest.items()},
+               "points": [{k: v for k, v in p.items() if k != "meta"} for p in points]}
+    write(Path(args.out) / name, summary, "\n".join(lines) + "\n")
+
+
+def sweep(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks sweep")
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/cce_train_sweep")
+    p.add_argument("--recipe", default="recipes/gemma-2b-owt.yaml")
+    p.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"])
+    p.add_argument("--seq", nargs="+", type=int, required=True, help="sequence lengths, in the order to try")
+    p.add_argument("--mbs", nargs="+", type=int, default=[1], help="micro-batches, in the order to try (per sequence)")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step and rank")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--launch-timeout", type=float, default=240)
+    p.add_argument("--extra", nargs="*", default=[], help="more --set overrides for every run, applied last")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--report-only", action="store_true", help="render OUT/points.json again")
+    args = p.parse_args(argv)
+    args.argv = argv
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    points = json.loads((Path(args.out) / "points.json").read_text()) if args.report_only else sweep_points(args)
+    if not any(p["trained"] for p in points):
+        print("nothing trained", file=sys.stderr)
+        return 1
+    sweep_report(args, points)
+    return 0
+
+
+# ---- resilience: background checkpoints, a signal, deterministic mode ----------------------------
+
+
+def resilience_sets(args) -> list[str]:
+    work = Path(args.work)
+    return [f"run.out_dir={work / 'runs'}", "run.seed=1234", "data.source=stdlib", "data.tokenizer=bpe",
+            "data.vocab_size=8192", f"data.dir={work / 'data'}", "model.vocab_size=256000", f"train.steps={args.steps}",
+            "train.micro_batch_size=4", f"train.global_batch_size={16 * args.nproc}", "optim.warmup_steps=5",
+            "eval.interval=0", "eval.iters=1", "logging.interval=5", "logging.wandb=disabled", "checkpoint.keep=2",
+            *args.extra]
+
+
+def launch_run(args, name: str, extra: list[str], *, signal_at: int | None = None) -> dict:
+    """One torchrun launch of the recipe; with signal_at, SIGTERM to torchrun once that step is
+    logged (PET_SIGNALS_TO_HANDLE: torchrun forwards it to the workers)."""
+    print(f"=== {name}: {' '.join(extra)} ({time.strftime('%H:%M:%S')})", flush=True)
+    cmd = torchrun(args.nproc, args.recipe, [*resilience_sets(args), f"run.name={name}", *extra])
+    env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
+    metrics = Path(args.work) / "runs" / name / "metrics.jsonl"
+    return launch(cmd, timeout=args.launch_timeout, env=env, metrics=metrics, signal_at=signal_at)
+
+
+def collect(args, name: str, launches: list[dict]) -> dict:
+    path = Path(args.work) / "runs" / name / "metrics.jsonl"
+    m = read_metrics(path)
+    return {"name": name, "work": str(path.parent), "launches": launches, "meta": m["meta"][-1] if m["meta"] else None,
+            "train": m["train"], "checkpoint": m["checkpoint"], "checkpoint_start": m["checkpoint_start"],
+            "resume": m["resume"]}
+
+
+def save_runs(out: Path, runs: list[dict], *, done: bool = True):
+    """Adds the runs to OUT/runs.json; once a run is done, deletes its checkpoints (37 GB each for
+    the Gemma recipe: the runs' checkpoints together would fill the disk)."""
+    for r in runs if done else ():
+        shutil.rmtree(Path(r["work"]) / "checkpoints", ignore_errors=True)
+    path = out / "runs.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known.update({r["name"]: r for r in runs})
+    path.write_text(json.dumps(known, indent=1))
+
+
+def phase_throughput(args, out: Path):
+    """plain, then saving, then signal (SIGTERM after --signal-at steps: the save on a signal, on
+    every GPU) and its restart to the end (the checks' and the load's times). The signal run saves
+    less often than saving: torch 2.11's torchrun SIGKILLs its workers 30 s after forwarding a
+    signal, so the save on the signal must not wait for a background write still in flight."""
+    save_runs(out, [collect(args, "plain", [launch_run(args, "plain", ["checkpoint.interval=0", "checkpoint.at_end=false"])])])
+    save_runs(out, [collect(args, "saving", [launch_run(args, "saving", [f"checkpoint.interval={args.save_every}"])])])
+    every = [f"checkpoint.interval={args.signal_save_every}"]
+    first = launch_run(args, "signal", every, signal_at=args.signal_at)
+    save_runs(out, [collect(args, "signal", [first])], done=False)
+    save_runs(out, [collect(args, "signal", [first, launch_run(args, "signal", every)])])
+
+
+DETERMINISTIC = ["train.deterministic=true", "checkpoint.interval=0", "checkpoint.at_end=false"]  # a signal still saves
+
+
+def phase_cost(args, out: Path):
+    """det-c: det-a's command again, for its tokens/s against plain where the two ran on one machine."""
+    save_runs(out, [collect(args, "det-c", [launch_run(args, "det-c", DETERMINISTIC)])])
+
+
+def phase_determinism(args, out: Path):
+    det = DETERMINISTIC
+    for name in ("det-a", "det-b"):
+        save_runs(out, [collect(args, name, [launch_run(args, name, det)])])
+    first = launch_run(args, "det-sig", det, signal_at=args.signal_at)
+    save_runs(out, [collect(args, "det-sig", [first])], done=False)
+    save_runs(out, [collect(args, "det-sig", [first, launch_run(args, "det-sig", det)])])
+
+
+def tokens_per_s(run: dict, first: int = 1, last: int | None = None) -> float:
+    """Tokens of the steps after `first` up to `last` over the wall-clock time from the end of
+    step `first` to the end of step `last`: saves, and waits for them, included."""
+    steps = [s for s in sorted(run["train"], key=int) if int(s) >= first and (last is None or int(s) <= last)]
+    recipe = run["meta"]["recipe"]
+    tokens = (len(steps) - 1) * recipe["train"]["global_batch_size"] * recipe["model"]["seq_length"]
+    return tokens / (run["train"][steps[-1]]["time"] - run["train"][steps[0]]["time"])
+
+
+def resilience_report(out: Path, recipe: str, note: str = "") -> int:
+    runs = json.loads((out / "runs.json").read_text())
+    meta = next(r["meta"] for r in runs.values() if r["meta"])
+    gpu = meta["device_name"]
+    world = meta["layout"]["world"]
+    date = run_day(meta).strftime("%Y%m%d")
+    lines = [f"# Checkpoints, signals and deterministic mode: {recipe}, {world}x {gpu}", "",
+             f"- {versions(meta)}" + (f"; {note}" if note else ""),
+             (f"- tp {meta['layout']['tp']} x dp {meta['layout']['dp']}, distributed optimizer "
+             f"{meta['recipe']['parallel']['distributed_optimizer']}, micro-batch "
+             f"{meta['recipe']['train']['micro_batch_size']}, {meta['layout']['accumulation']} micro-batches per step, "
+             f"seq {meta['recipe']['model']['seq_length']}; {meta['params_total'] / 1e6:.0f}M parameters"),
+             ("- command: `python -m benchmarks resilience --phase throughput|determinism` "
+             "(tokens/s: wall clock from the end of step 1 to the end of the last, saves included)"), ""]
+    summary = {"gpu": gpu, "world": world, "recipe": recipe, "commit": meta.get("commit"), "note": note, "date": date,
+               "runs": {}}
+    if "plain" in runs and "saving" in runs:
+        plain, saving = tokens_per_s(runs["plain"]), tokens_per_s(runs["saving"])
+        summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": saving, "ratio": saving / plain}
+        rows = [["no checkpoint", f"{plain:,.0f}", "1.000"],
+                [f"a checkpoint every {_interval(runs['saving'])} steps", f"{saving:,.0f}", f"{saving / plain:.3f}"]]
+        lines += ["## Background checkpoints", "", "Tokens/s from the end of step 1 to the end of the last, wall clock:",
+                  "", *C.md_table(["run", "tokens/s", "ratio"], rows), ""]
+        lines += _checkpoint_table(runs["saving"])
+    if "signal" in runs:
+        run = runs["signal"]
+        sig, restart = run["launches"][0], run["launches"][-1]
+        last = sig["signalled_at"]
+        saved = [int(k) for k in run["checkpoint"] if last is not None and int(k) > last]
+        signal_saved = bool(saved) and min(saved) == last + 1 and bool(run["resume"].get(str(last + 1)))
+        summary["signal"] = {"signalled_at": last, "saved_step": last + 1 if signal_saved else None,
+                             "exits": [x["exit"] for x in run["launches"]], "resumed_at": list(run["resume"])}
+        lines += ["## A signal", "",
+                  (f"A checkpoint every {_interval(run)} steps; SIGTERM to torchrun after step {last}: checkpoint of "
+                  f"step {last + 1} {'written' if signal_saved else 'NOT written'}; torchrun's exit status "
+                  f"{sig['exit']} (it exits 1 after forwarding a signal); the restart resumed from step(s) "
+                  f"{list(run['resume'])} and exited {restart['exit']}."), ""]
+        lines += _checkpoint_table(run)
+        for k, r in run["resume"].items():
+            lines += [(f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
+                      f"{r['load_s']:.1f} s."), ""]
+    # det-c: a later launch of det-a's command on the machine that ran plain (phase "cost").
+    det = [n for n in ("det-a", "det-b", "det-sig", "det-c") if n in runs]
+    if det:
+        ref = det[0]  # det-a, unless only phase cost ran
+        steps = sorted(runs[ref]["train"], key=int)
+        same = {n: all(runs[n]["train"].get(s, {}).get(k) == runs[ref]["train"][s][k]
+                       for s in steps for k in ("loss", "grad_norm")) for n in det}
+        sig = runs.get("det-sig", {})
+        resumed_at = list(sig.get("resume", {}))
+        summary["determinism"] = {"steps": len(steps), "reference": ref, "bitwise_equal": same,
+                                  "signalled_at": [x["signalled_at"] for x in sig.get("launches", [])],
+                                  "exits": [x["exit"] for x in sig.get("launches", [])], "resumed_at": resumed_at}
+        lines += ["## Deterministic mode (train.deterministic: true)", "",
+                  f"Per-step loss and gradient norm over {len(steps)} steps, compared bit for bit with {ref}:", "",
+                  *C.md_table(["run", f"bitwise equal to {ref}"], [[n, "yes" if same[n] else "NO"] for n in det])]
+        if sig:
+            lines += ["", (f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
+                          f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}.")]
+        if "plain" in runs:
+            d, p = tokens_per_s(runs[det[-1]] if det[-1] == "det-c" else runs[ref]), tokens_per_s(runs["plain"])
+            summary["determinism"].update(tokens_per_s=d, plain_tokens_per_s=p, ratio=d / p)
+            lines += ["", f"Throughput: {d:,.0f} tokens/s against {p:,.0f} without deterministic mode ({d / p:.3f}x)."]
+        lines.append("")
+    for name, r in runs.items():
+        ts = [r["train"][s]["grad_norm"] for s in sorted(r["train"], key=int)[:3]]
+        # One launch: a wall-clock span; a restart's records follow a gap.
+        summary["runs"][name] = {"launches": r["launches"],
+                                 "tokens_per_s": tokens_per_s(r) if len(r["launches"]) == 1 else None, "first_grad_norms": ts}
+    stem = out / f"train_resilience_{C.gpu_slug(gpu)}x{world}_{date}"
+    write(stem, summary, "\n".join(lines))
+    return 0
+
+
+def _checkpoint_table(run: dict) -> list[str]:
+    rows = []
+    done, begun = run["checkpoint"], run["checkpoint_start"]
+    for k in sorted(set(done) | set(begun), key=int):
+        started, c = begun.get(k, {}), done.get(k)
+        if c is None:
+            rows.append([k, "", f"{started['blocked_s']:.2f} ({started['waited_s']:.2f})", "not completed", "", "", "", ""])
+            continue
+        rows.append([k, f"{c['bytes'] / 1e9:.1f}",
+                     f"{started.get('blocked_s', c['blocked_s']):.2f} ({started.get('waited_s', 0.0):.2f})",
+                     f"{c['stage_s']:.2f}", f"{c['total_s'] - c['blocked_s']:.1f}", f"{c['write_gb_per_s']:.2f}",
+                     f"{c['publish_s']:.2f}", f"{c.get('prune_s', 0.0):.2f}"])
+    header = ["step", "GB", "training blocked s (waiting for the previous save)", "staging s", "background write s",
+              "GB/s (write)", "meta.json + rename s", "pruning s"]
+    return [*C.md_table(header, rows), ""]
+
+
+def _interval(run: dict) -> int:
+    return run["meta"]["recipe"]["checkpoint"]["interval"]
+
+
+def resilience(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks resilience")
+    p.add_argument("--phase", choices=("throughput", "determinism", "cost", "report"), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/cce_resilience")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--signal-at", type=int, default=15)
+    p.add_argument("--signal-save-every", type=int, default=20)
+    p.add_argument("--launch-timeout", type=float, default=300)
+    p.add_argument("--recipe", default="recipes/gemma-2b-owt.yaml")
+    p.add_argument("--extra", nargs="*", default=[], help="more --set overrides, applied after the script's")
+    p.add_argument("--note", default="", help="a line for the report's header (e.g. what the code was)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "report":
+        return resilience_report(out, args.recipe, args.note)
+    # Prepared once (tokenizer training and tokenization), before any torchrun launch.
+    prep = [sys.executable, "-m", "cce_parallel.train", "--recipe", args.recipe, "--prepare-data",
+            "--set", *resilience_sets(args)]
+    subprocess.run(prep, cwd=ROOT, check=True)
+    {"throughput": phase_throughput, "determinism": phase_determinism, "cost": phase_cost}[args.phase](args, out)
+    return resilience_report(out, args.recipe, args.note)
+
+
+
+
+COMMANDS = {"compare": compare, "sweep": sweep, "resilience": resilience}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__)
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
