@@ -3,7 +3,7 @@
     loss     one GPU: loss + gradients of every peer side by side (``loss --help``)
     tp       TP on every visible GPU against Megatron's output path: one torchrun launch of
              bench_tp.py per TP size (``--sizes 1,2,4``, ``--launch-timeout S``), then one merged report
-    compare, sweep, resilience   the train job under torchrun (train.py): loss layers side by side,
+    compare, sweep, resilience, report   the train job under torchrun (train.py): loss layers side by side,
              the largest run each loss.impl trains, what checkpoints / signals / determinism cost
     render   no GPU: merge result files of one kind and rewrite their .md; with
              ``--docs [--check]``, rewrite (or check) the generated blocks of README.md and docs/*.md
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_loss.main(rest)
     if command == "tp":
         return run_tp(rest)
-    if command in ("compare", "sweep", "resilience"):
+    if command in ("compare", "sweep", "resilience", "report"):
         import train
 
         return train.main(argv)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.dir).mkdir(parents=True, exist_ok=True)
         print(C.export_baseline(a.ref, Path(a.dir)))
         return 0
-    raise SystemExit(f"unknown command {command!r}; known: loss, tp, compare, sweep, resilience, render, baseline")
+    raise SystemExit(f"unknown command {command!r}; known: loss, tp, compare, sweep, resilience, report, render, baseline")
 
 
 if __name__ == "__main__":

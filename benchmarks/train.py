@@ -5,6 +5,7 @@
     sweep       per loss.impl, one launch per (seq_length, micro_batch) point up to its first that
                 does not train: the largest each one trains
     resilience  what background checkpoints, a save on SIGTERM and deterministic mode cost a run
+    report      sweeps and one compare setting in one report (JSON, Markdown, PNG with matplotlib)
 
     python -m benchmarks compare --runs OUT/gpt2-small-cce_kahan_full_c OUT/gpt2-small-megatron --out OUT
     python -m benchmarks sweep --out OUT --seq 2048 --mbs 4 8 12 16 24 --tag mbs
@@ -124,6 +125,13 @@ def run_label(meta: dict) -> str:
     return f"megatron_fused ({meta.get('loss_fusion') or loss.get('fusion_impl', '?')})"
 
 
+def unique_labels(summaries: list[dict], metas: list[dict]) -> None:
+    """Runs of one loss.impl (an A/B of something else) are told apart by their run names."""
+    if len({s["label"] for s in summaries}) < len(summaries):
+        for s, meta in zip(summaries, metas):
+            s["label"] += f" ({meta['recipe']['run']['name']})"
+
+
 def summarize(run: dict, warmup: int) -> dict:
     meta, train = run["meta"], run["train"]
     steps = sorted(train)
@@ -190,9 +198,7 @@ def compare(argv: list[str]) -> int:
 
     runs = [read_run(Path(d)) for d in args.runs]
     summaries = [summarize(r, args.warmup) for r in runs]
-    if len({s["label"] for s in summaries}) < len(summaries):  # runs of one impl (an A/B of something else)
-        for s, r in zip(summaries, runs):
-            s["label"] += f" ({r['meta']['recipe']['run']['name']})"
+    unique_labels(summaries, [r["meta"] for r in runs])
     device = summaries[0]["device_name"]
     meta = {"device": device, "gpu": C.gpu_slug(device), "git_commit": summaries[0]["commit"] or C.git_commit(),
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
@@ -525,7 +531,123 @@ def resilience(argv: list[str]) -> int:
 
 
 
-COMMANDS = {"compare": compare, "sweep": sweep, "resilience": resilience}
+# ---- report: what the memory buys, one file per GPU and date -----------------------------------
+
+
+def sweep_series(points: list[dict]) -> tuple[str, dict]:
+    """(the swept axis: "seq", "mbs" or "tokens", {impl: [point, ...] in order of that axis})."""
+    axis = "seq" if len({p["mbs"] for p in points}) == 1 else "mbs" if len({p["seq"] for p in points}) == 1 else "tokens"
+    series = {}
+    for p in points:
+        series.setdefault(p["impl"], []).append({**p, "tokens": p["seq"] * p["mbs"]})
+    return axis, {impl: sorted(ps, key=lambda q: q[axis]) for impl, ps in series.items()}
+
+
+def report_data(sweeps: list[Path], runs: list[Path], warmup: int) -> dict:
+    """The sweeps' points (files of one recipe and axis merged: one sweep cut over several launches)
+    by loss.impl, and each run's summary and loss curves."""
+    data, merged = {"sweeps": [], "runs": []}, {}
+    for path in sweeps:
+        raw = json.loads(path.read_text())
+        info = {k: raw.get(k) for k in ("recipe", "gpu", "world")} if isinstance(raw, dict) else {}
+        points = [{k: v for k, v in p.items() if k != "meta"} for p in (raw["points"] if isinstance(raw, dict) else raw)]
+        key = (info.get("recipe"), sweep_series(points)[0])
+        entry = merged.setdefault(key, {**info, "files": [], "points": []})
+        entry["files"].append(str(path))
+        entry["points"] += points
+    for entry in merged.values():
+        axis, series = sweep_series(entry.pop("points"))
+        largest = {impl: max((q[axis] for q in ps if q["trained"]), default=None) for impl, ps in series.items()}
+        data["sweeps"].append({**entry, "axis": axis, "series": series, "largest": largest})
+    for run_dir in runs:
+        run = read_run(run_dir)
+        data["runs"].append({**summarize(run, warmup),
+                             "train_curve": [[s, r["loss"]] for s, r in sorted(run["train"].items())],
+                             "val_curve": [[s, r["val_loss"]] for s, r in sorted(run["eval"].items())]})
+    unique_labels(data["runs"], [read_run(r)["meta"] for r in runs])
+    meta = next((r for r in data["runs"]), None) or next((s for s in data["sweeps"] if s.get("gpu")), {})
+    data["gpu"] = meta.get("device_name") or meta.get("gpu")
+    return data
+
+
+def report_md(data: dict) -> str:
+    lines = [f"# What the loss layer's memory buys: {data['gpu']}", ""]
+    for sw in data["sweeps"]:
+        impls = list(sw["series"])
+        lines += [f"## {sw.get('recipe') or 'sweep'}: against {sw['axis']} ({', '.join(sw['files'])})", ""]
+        xs = sorted({q[sw["axis"]] for ps in sw["series"].values() for q in ps})
+        cell = {(impl, q[sw["axis"]]): (f"{q['tokens_per_s']:,.0f} · {q['peak_mem_max'] / 2**30:.1f}" if q["trained"]
+                                         else q.get("why", "no")) for impl, ps in sw["series"].items() for q in ps}
+        lines += C.md_table([sw["axis"], *(f"{i}: tokens/s · peak GiB per rank" for i in impls)],
+                            [[f"{x:,}", *(cell.get((i, x), "") for i in impls)] for x in xs])
+        ref = sw["largest"].get(impls[0])
+        lines += ["", "Largest that trains: " + "; ".join(
+            f"{i} {C.fmt_num(v, ',')}" + (f" ({ref / v:.2f}x of it for {impls[0]})" if ref and v and i != impls[0] else "")
+            for i, v in sw["largest"].items()) + ".", ""]
+    if data["runs"]:
+        ref = next((r for r in data["runs"] if r["label"] == "megatron"), data["runs"][0])
+        lines += [f"## Training side by side: {ref['steps']} steps, {ref['tokens_per_step']:,} tokens per step", ""]
+        lines += C.md_table(["loss layer", "tokens/s", f"over {ref['label']}'s", "peak GiB per rank", "final val loss",
+                             f"over {ref['label']}'s"],
+                            [[r["label"], f"{r['tokens_per_s_median']:,.0f}",
+                              f"{r['tokens_per_s_median'] / ref['tokens_per_s_median']:.3f}",
+                              C.fmt_num(r["peak_mem_max"] and r["peak_mem_max"] / 2**30, ".1f"),
+                              C.fmt_num(r["final_val_loss"], ".4f"),
+                              C.fmt_num(r["final_val_loss"] and r["final_val_loss"] / ref["final_val_loss"], ".4f")]
+                             for r in data["runs"]])
+    return "\n".join(lines) + "\n"
+
+
+def report_png(data: dict, path: Path) -> bool:
+    """Tokens/s and peak memory against each sweep's axis, and the loss curves; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = 2 * len(data["sweeps"]) + bool(data["runs"])
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.6), squeeze=False)
+    axes = list(axes[0])
+    for sw in data["sweeps"]:
+        for ax, key, label in ((axes.pop(0), "tokens_per_s", "tokens/s"), (axes.pop(0), "peak_mem_max", "peak GiB per rank")):
+            for impl, ps in sw["series"].items():
+                done = [q for q in ps if q["trained"]]
+                ax.plot([q[sw["axis"]] for q in done], [q[key] / (2**30 if key == "peak_mem_max" else 1) for q in done],
+                        marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel=sw["axis"], ylabel=label, title=Path(sw.get("recipe") or "sweep").stem)
+            ax.legend(fontsize=7)
+    if data["runs"]:
+        ax = axes.pop(0)
+        for r in data["runs"]:
+            ax.plot(*zip(*r["train_curve"]), lw=0.8, label=f"{r['label']} (train)")
+            if r["val_curve"]:
+                ax.plot(*zip(*r["val_curve"]), marker="o", ls="--", label=f"{r['label']} (val)")
+        ax.set(xlabel="step", ylabel="loss", title="loss")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks report", description="one report of sweeps and a compare")
+    p.add_argument("--sweeps", nargs="*", default=[], type=Path, help="sweep results (train_sweep_*.json or points.json)")
+    p.add_argument("--runs", nargs="*", default=[], type=Path, help="run directories of one setting, one per loss.impl")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--name", required=True, help="the report's file name, without suffix")
+    args = p.parse_args(argv)
+    data = report_data(args.sweeps, args.runs, args.warmup)
+    write(args.out / args.name, data, report_md(data))
+    if not report_png(data, (args.out / args.name).with_suffix(".png")):
+        print("matplotlib unavailable: no PNG written")
+    return 0
+
+
+COMMANDS = {"compare": compare, "sweep": sweep, "resilience": resilience, "report": report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,3 +34,26 @@ def test_sweep_stops_at_the_first_failure_and_reports_the_largest(tmp_path, monk
     summary = json.loads(next(out.glob("train_sweep_h200x4_*.json")).read_text())
     assert summary["largest"] == {"cce": {"seq": 8192, "mbs": 1}, "megatron": {"seq": 2048, "mbs": 1}}
     assert "| megatron | 2,048 x 1 | 2,048 | 4.00 |" in next(out.glob("train_sweep_h200x4_*.md")).read_text()
+
+
+def test_report_merges_sweeps_and_compares_runs(tmp_path):
+    """`report` on committed results: the two files of one sequence sweep merge into one series per
+    impl with its largest trained point, and the runs' tokens/s and validation loss are compared."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    results = ROOT / "benchmarks" / "results"
+    sweep, layers = results / "train_sweep_h200x4_20261127", results / "gemma2_layers_h200_20261127"
+    assert train.main(["report", "--sweeps", str(sweep / "points_1.json"), str(sweep / "points_2.json"),
+                       "--runs", str(layers / "plain"), str(layers / "gemma2"), "--warmup", "6",
+                       "--out", str(tmp_path), "--name", "r"]) == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    (sw,) = data["sweeps"]
+    assert sw["axis"] == "seq" and sw["largest"] == {"megatron": 65536, "cce_kahan_full_c": None}
+    assert [q["seq"] for q in sw["series"]["megatron"]] == [32768, 65536, 131072]
+    labels = [r["label"] for r in data["runs"]]
+    assert labels == ["cce_kahan_full_c (plain)", "cce_kahan_full_c (gemma2)"]
+    md = (tmp_path / "r.md").read_text()
+    assert "| 65,536 | 26,536 · 124.5 |" in md and "| cce_kahan_full_c (gemma2) | 22,045 | 0.896 |" in md
