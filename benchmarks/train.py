@@ -559,12 +559,14 @@ def report_data(sweeps: list[Path], runs: list[Path], warmup: int) -> dict:
         axis, series = sweep_series(entry.pop("points"))
         largest = {impl: max((q[axis] for q in ps if q["trained"]), default=None) for impl, ps in series.items()}
         data["sweeps"].append({**entry, "axis": axis, "series": series, "largest": largest})
+    metas = []
     for run_dir in runs:
         run = read_run(run_dir)
+        metas.append(run["meta"])
         data["runs"].append({**summarize(run, warmup),
                              "train_curve": [[s, r["loss"]] for s, r in sorted(run["train"].items())],
                              "val_curve": [[s, r["val_loss"]] for s, r in sorted(run["eval"].items())]})
-    unique_labels(data["runs"], [read_run(r)["meta"] for r in runs])
+    unique_labels(data["runs"], metas)
     meta = next((r for r in data["runs"]), None) or next((s for s in data["sweeps"] if s.get("gpu")), {})
     data["gpu"] = meta.get("device_name") or meta.get("gpu")
     return data
