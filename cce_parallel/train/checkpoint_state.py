@@ -206,7 +206,9 @@ def _shard_index(engine, optim_key: str, tensors: dict, *, rank: int, coords: tu
 def _shard_entries(engine, optim_key: str, tensors: dict) -> list[dict]:
     named = {}
     for chunk_index, chunk in enumerate(engine.model):
-        buffer = getattr(chunk, "param_and_grad_buffer", None) or getattr(chunk.module, "param_and_grad_buffer", None)
+        buffer = getattr(chunk, "param_and_grad_buffer", None)  # megatron-core's adapter: its module's
+        if buffer is None:
+            buffer = getattr(getattr(chunk, "module", None), "param_and_grad_buffer", None)
         pairs = getattr(buffer, "optimizer_named_parameters", None)
         if pairs is None:
             raise _NoIndex(f"model chunk {chunk_index} has no param_and_grad_buffer.optimizer_named_parameters")
