@@ -7,10 +7,13 @@
 CHECKPOINT: a checkpoint directory (``step_0000040``), a checkpoint directory holding ``latest``,
 or a run directory (its ``checkpoints/latest``). One process reads it, no GPU and no process
 group: ``meta.json`` gives the recipe and the layout; the model's tensors are the DCP keys
-``tp{t}_pp{p}/model/0/...``, which every layout the train job writes has: TP, PP, DP (one copy),
-the distributed optimizer (the model's own weights; in a bf16 run these are bf16), and FSDP
-(``parallel.fsdp: torch``: DCP reassembles the DTensor shards). Megatron-FSDP checkpoints
-(``parallel.fsdp: megatron``) hold only per-rank optimizer shards and are refused.
+``tp{t}_pp{p}/model/0/...`` of TP, PP, DP (one copy), the distributed optimizer (the model's own
+weights; in a bf16 run these are bf16), and FSDP (``parallel.fsdp: torch``: DCP reassembles the
+DTensor shards). Megatron-FSDP checkpoints (``parallel.fsdp: megatron``) hold no model keys: the
+export puts the fp32 main weights (fp32 in a bf16 run too) together from every rank's optimizer
+shards, which each rank's shard index places in their parameters (megatron_fsdp.py; every
+element must come from exactly one shard). Megatron-FSDP checkpoints written before the train
+job wrote shard indexes are refused, with the reason.
 
 OUT_DIR gets config.json (GPT2LMHeadModel, LlamaForCausalLM or Gemma2ForCausalLM, see
 convert.py), model.safetensors, generation_config.json, and the tokenizer the data was prepared
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from cce_parallel.hf import megatron_fsdp
 from cce_parallel.hf.convert import ConversionError, architecture, hf_config, hf_state
 
 _MODEL_KEY = re.compile(r"^tp(\d+)_pp(\d+)/model/(\d+)/(.+)$")
@@ -55,12 +59,9 @@ def read_checkpoint(path) -> tuple[dict, object, dict]:
     path = resolve_checkpoint(path)
     meta = verify(path)
     recipe = recipe_from_dict(meta["recipe"])
-    if recipe.parallel.fsdp == "megatron":
-        raise ConversionError(
-            f"{path}: a parallel.fsdp=megatron checkpoint holds only each rank's optimizer shards, not the model's "
-            "tensors; export supports checkpoints of parallel.fsdp none or torch"
-        )
     metadata = _SafeReader(str(path)).read_metadata()
+    if recipe.parallel.fsdp == "megatron":
+        return meta, recipe, _check_stages(path, meta, megatron_fsdp.read(path, meta, metadata))
     templates, where = {}, {}
     for key, item in metadata.state_dict_metadata.items():
         match = _MODEL_KEY.match(key)
@@ -76,11 +77,15 @@ def read_checkpoint(path) -> tuple[dict, object, dict]:
     stages: dict = {}
     for key, (t, p, name) in where.items():
         stages.setdefault((t, p), {})[name] = templates[key]
+    return meta, recipe, _check_stages(path, meta, stages)
+
+
+def _check_stages(path: Path, meta: dict, stages: dict) -> dict:
     layout = meta.get("layout", {})
     expected = {(t, p) for t in range(layout.get("tp", 1)) for p in range(layout.get("pp", 1))}
     if set(stages) != expected:
         raise ConversionError(f"{path}: model tensors of ranks {sorted(stages)}, the layout {layout} needs {sorted(expected)}")
-    return meta, recipe, stages
+    return stages
 
 
 def export(checkpoint, out_dir, *, dtype: str = "fp32", keep_padding: bool = False, data_dir=None,

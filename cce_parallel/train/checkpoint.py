@@ -24,7 +24,12 @@ Under Megatron-FSDP (``parallel.fsdp: megatron``) every rank writes ``rank{r}/op
 shards of the fp32 main weights and Adam state as plain tensors (Megatron-FSDP's shards are
 uneven and some are empty, which DTensor's metadata cannot describe without collectives of its
 own). The model's bf16 weights are copies of the main weights and are rebuilt from them on load.
-Such a checkpoint resumes under Megatron-FSDP with the same layout only (checked).
+Such a checkpoint resumes under Megatron-FSDP with the same layout only (checked). Every rank
+also writes its shard index, ``rank{r}.shards.json``: for each of its main-weight shards, the
+parameter's name (as the model keys above name it), its shape on the rank's tensor-parallel
+coordinates, and which of its elements (flattened row-major) the shard holds, so that the export
+(cce_parallel/hf/megatron_fsdp.py) can put every parameter together. Loading does not read it:
+checkpoints written before it existed resume the same (the export refuses them).
 
 Keys carry the rank coordinates because DCP treats equal keys on several ranks as one replicated
 value: the tensor-parallel shards of a parameter share its name.
@@ -74,6 +79,7 @@ import torch.distributed.checkpoint as dcp
 
 from cce_parallel.train.checkpoint_files import (
     CheckpointError,
+    _json_name,
     _SafeReader,
     _TensorsOnly,
     checkpoints,
@@ -91,7 +97,6 @@ from cce_parallel.train.checkpoint_state import (
     _encode,
     _fsdp,
     _init_optimizer_state,
-    _json_name,
     _load_optimizer_state,
     _model_state,
     _optim_key,

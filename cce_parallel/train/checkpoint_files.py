@@ -34,6 +34,17 @@ def step_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def _json_name(key: str) -> str:
+    """The file of a state object's JSON document (``rank3/rng`` -> ``rank3.rng.json``)."""
+    return key.replace("/", ".") + ".json"
+
+
+def shard_index_key(rank: int) -> str:
+    """Under Megatron-FSDP: the key of rank's shard index (its file ``rank{r}.shards.json``),
+    where each of its main-weight shards sits in its parameter (see checkpoint.py)."""
+    return f"rank{rank}/shards"
+
+
 def checkpoints(directory) -> list[Path]:
     """The checkpoint directories (``step_*``) in directory, newest first."""
     directory = Path(directory)

@@ -5,6 +5,7 @@ rest reads and restores the model, optimizer (DDP, FSDP2, Megatron-FSDP, distrib
 and RNG states. No files and no collectives: checkpoint_writer.py writes, checkpoint.py loads.
 """
 
+import math
 import random
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch.distributed.tensor import DTensor
 
-from cce_parallel.train.checkpoint_files import CheckpointError
+from cce_parallel.train.checkpoint_files import CheckpointError, shard_index_key
 from cce_parallel.train.engine import inner_optimizers
 
 # -- state <-> tensors + JSON -----------------------------------------------------------------
@@ -85,10 +86,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in a checkpoint")
     return dtype
-
-
-def _json_name(key: str) -> str:
-    return key.replace("/", ".") + ".json"
 
 
 # -- the engine's state ------------------------------------------------------------------------
@@ -184,6 +181,65 @@ def _local(obj):
     return obj
 
 
+class _NoIndex(Exception):
+    """What megatron-core gave falls short of a shard index (the reason)."""
+
+
+def _shard_index(engine, optim_key: str, tensors: dict, *, rank: int, coords: tuple[int, int, int]) -> dict:
+    """Under Megatron-FSDP, this rank's shard index (``rank{r}.shards.json``, see checkpoint.py):
+    for every main weight in ``optim_key`` (the optimizer's parameters, in its order), the name of
+    its parameter, the parameter's shape on this tensor-parallel rank, and the elements of that
+    parameter, flattened row-major, that this rank's shard holds ([start, stop), empty on some
+    ranks). The optimizer's parameters are the DTensors of the buffer's
+    ``optimizer_named_parameters`` (megatron-core 0.16 and 0.19): ``orig_param`` is the module's
+    parameter, ``megatron_fsdp_slice`` the range, which the shard's own size is checked against.
+    Where megatron-core gives less, the index says why (the export refuses it; training goes on)."""
+    tp, pp, dp = coords
+    index = {"format": 1, "rank": rank, "tp": tp, "pp": pp, "dp": dp}
+    try:
+        index["params"] = _shard_entries(engine, optim_key, tensors)
+    except _NoIndex as err:
+        index["error"] = str(err)
+    return index
+
+
+def _shard_entries(engine, optim_key: str, tensors: dict) -> list[dict]:
+    named = {}
+    for chunk_index, chunk in enumerate(engine.model):
+        buffer = getattr(chunk, "param_and_grad_buffer", None)  # megatron-core's adapter: its module's
+        if buffer is None:
+            buffer = getattr(getattr(chunk, "module", None), "param_and_grad_buffer", None)
+        pairs = getattr(buffer, "optimizer_named_parameters", None)
+        if pairs is None:
+            raise _NoIndex(f"model chunk {chunk_index} has no param_and_grad_buffer.optimizer_named_parameters")
+        for name, param in pairs:
+            named[id(param)] = (chunk_index, name, param)
+            # A copy of the parameter in the optimizer would still name the module's parameter.
+            named.setdefault(id(getattr(param, "orig_param", param)), (chunk_index, name, param))
+    entries = []
+    for i, inner in enumerate(inner_optimizers(engine.optimizer)):
+        for j, param in enumerate(p for group in inner.param_groups for p in group["params"]):
+            found = named.get(id(param)) or named.get(id(getattr(param, "orig_param", param)))
+            if found is None:
+                raise _NoIndex(f"parameter {j} of optimizer {i} is none of Megatron-FSDP's optimizer_named_parameters")
+            chunk_index, name, fsdp_param = found
+            orig, where = getattr(fsdp_param, "orig_param", None), getattr(fsdp_param, "megatron_fsdp_slice", None)
+            if orig is None or not isinstance(where, slice):
+                raise _NoIndex(f"{name}: megatron-core gives it no orig_param or megatron_fsdp_slice")
+            shape, local = list(orig.shape), _local(param)
+            start, stop = int(where.start or 0), int(where.stop or 0)
+            if not 0 <= start <= stop <= math.prod(shape) or stop - start != local.numel():
+                raise _NoIndex(f"{name}: megatron_fsdp_slice [{start}, {stop}) does not fit its shape {shape} and "
+                               f"this rank's shard of {local.numel()} elements")
+            # The key _encode gives this main weight in _optimizer_state's document (an empty shard has none).
+            key = f"{optim_key}/{i}/main_params/{j}" if local.numel() else None
+            if key is not None and key not in tensors:
+                raise _NoIndex(f"{name}: its shard is not {key} in the checkpoint")
+            entries.append({"name": name, "chunk": chunk_index, "shape": shape, "start": start, "stop": stop,
+                            "key": key})
+    return entries
+
+
 def _restore_untensored(inner, saved_dict: dict):
     """The param groups' hyperparameters and the non-tensor state of a torch optimizer."""
     for group, saved_group in zip(inner.param_groups, saved_dict["param_groups"], strict=True):
@@ -244,8 +300,9 @@ def _state_to_save(engine) -> tuple[dict, dict]:
     # parameter would be staged in host memory on every rank. Under FSDP2 every data-parallel rank
     # holds a shard of each tensor (DTensors: DCP writes each shard under the shared key), and
     # data-parallel rank 0 writes the JSON, which records the full shapes. Under Megatron-FSDP every
-    # rank writes its own optimizer shards (main weights included) as plain tensors; the model's
-    # bf16 weights are copies of those main weights, rebuilt on load.
+    # rank writes its own optimizer shards (main weights included) as plain tensors, and its shard
+    # index (where each main-weight shard sits in its parameter); the model's bf16 weights are
+    # copies of those main weights, rebuilt on load.
     fsdp = _fsdp(engine)
     sharded = fsdp == "torch"
     if fsdp != "megatron":
@@ -255,6 +312,8 @@ def _state_to_save(engine) -> tuple[dict, dict]:
         doc = _encode(_optimizer_state(engine.optimizer, fsdp), key, tensors)
         if dp == 0 or not sharded:
             docs[key] = doc
+        if fsdp == "megatron":  # what the export needs to put the shards together
+            docs[shard_index_key(rank)] = _shard_index(engine, key, tensors, rank=rank, coords=(tp, pp, dp))
     return tensors, docs
 
 

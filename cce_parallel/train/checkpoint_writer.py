@@ -27,12 +27,13 @@ from cce_parallel.train.checkpoint_files import (
     LATEST,
     META,
     CheckpointError,
+    _json_name,
     _meta_digest,
     _sha256,
     step_name,
     writer_threads,
 )
-from cce_parallel.train.checkpoint_state import _json_name, _state_to_save
+from cce_parallel.train.checkpoint_state import _state_to_save
 
 
 class _HashingStream:
