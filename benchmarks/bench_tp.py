@@ -2,13 +2,11 @@
 
 The same global tokens at every TP size: e [s, b, D], a [V, D] classifier in equal contiguous row
 shards, targets [s, b], in groups of t consecutive ranks; methods ``megatron``, ``megatron_fused``
-and ``ours:<impl>[@<budget>]`` (``tp_group``). ``--gpt-step``: one GPTModel step's peak memory per
-rank, Megatron's output path against ``use_cce``. benchmarks/README.md says what is measured.
+and ``ours:<impl>[@<budget>]`` (``tp_group``). benchmarks/README.md says what is measured.
 
     python -m benchmarks tp --sizes 1,2,4 [options]   # a torchrun launch of this file per size, one report
     torchrun --nproc_per_node 4 benchmarks/bench_tp.py --tp 1,2,4 --out DIR --commit SHA
-    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --gpt-step --tp 2 --out DIR --commit SHA
-    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --cpu-smoke [--gpt-step]   # gloo: the plumbing
+    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --cpu-smoke   # gloo: the plumbing
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shlex
-import statistics
 import sys
 import time
 import warnings
@@ -443,161 +440,18 @@ def render(files: list[str], out: str | None, tag: str | None) -> int:
     return 0
 
 
-# ---- --gpt-step: the peak memory of one megatron-core GPTModel training step ---------------------
-
-
-def gpt_step_measure(a, device, impl) -> dict:
-    """A fresh GPTModel (local spec, Float16Module, DDP with fp32 grads; with impl, after use_cce):
-    one warm-up step, then --repeats steps (forward with labels, masked mean, backward,
-    finalize_model_grads), each with its peak above memory_allocated before it and its time."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from cce_parallel.megatron import local_gpt_block_spec, use_cce
-
-    bf16, cuda = device.type == "cuda", device.type == "cuda"
-    config = TransformerConfig(
-        num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"], ffn_hidden_size=a["ffn"],
-        tensor_model_parallel_size=a["tp"], sequence_parallel=a["sp"], use_cpu_initialization=not cuda,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
-    torch.manual_seed(1)
-    gpt = GPTModel(config, local_gpt_block_spec(config), vocab_size=a["vocab"], max_sequence_length=a["seq"])
-    if impl is not None:
-        use_cce(gpt, impl=impl)
-    model = gpt.to(device)
-    if bf16:
-        model = Float16Module(config, model)
-    if a["ddp"]:
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    tokens = torch.randint(0, a["vocab"], (a["mbs"], a["seq"] + 1), generator=torch.Generator().manual_seed(5))
-    inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].contiguous().to(device)
-    position_ids = torch.arange(a["seq"]).expand(a["mbs"], -1).to(device)
-    mask = torch.ones(a["mbs"], a["seq"], device=device)
-
-    def step():
-        if a["ddp"]:
-            model.zero_grad_buffer()
-        for p in gpt.parameters():
-            p.grad = None
-        losses = model(inputs, position_ids, None, labels=labels)  # [b, s] fp32
-        loss = (losses.float() * mask).sum() / mask.sum()
-        loss.backward()
-        if a["ddp"]:
-            finalize_model_grads([model])
-        return loss.detach()
-
-    step()  # warm-up: Triton kernels compiled, DDP buffers used once
-    peaks, times = [], []
-    for _ in range(a["repeats"]):
-        if cuda:
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        loss = step()
-        if cuda:
-            stop.record()
-            torch.cuda.synchronize(device)
-            peaks.append(torch.cuda.max_memory_allocated(device) - base)
-            times.append(start.elapsed_time(stop))
-        else:
-            times.append(1e3 * (time.perf_counter() - t0))
-    return {"loss": float(loss), "step_peak_bytes": max(peaks) if peaks else None,
-            "step_ms": statistics.median(times)}
-
-
-def gpt_step_markdown(data: dict) -> str:
-    a, meta, world = data["config"], data["meta"], data["world"]
-    tokens = a["seq"] * a["mbs"]
-    lines = [f"# Peak memory of one GPTModel step: Megatron's output path vs CCE ({meta['device']})", "",
-             (f"V = {a['vocab']:,}, hidden {a['hidden']}, {a['layers']} layers, TP = {a['tp']} "
-             f"({'with' if a['sp'] else 'without'} sequence parallelism), {world // a['tp']} DP, {tokens:,} tokens per "
-             f"micro-batch (seq {a['seq']} × {a['mbs']}), {'bf16' if not a['cpu_smoke'] else 'fp32'}, "
-             f"{'Megatron DDP (fp32 grads)' if a['ddp'] else 'no DDP'}, {'tied' if a.get('tied') else 'untied'} "
-             f"embeddings. Megatron's bf16 logits alone are {C.fmt_mib(tokens * a['vocab'] // a['tp'] * 2)} MiB per rank."),
-             "", ("MiB (2^20 B) per rank, max over ranks; step peak = max_memory_allocated above memory_allocated "
-             "just before the step."), "",
-             "| path | step peak | step ms | loss |", "|---|---:|---:|---:|"]
-
-    def worst(rows, key):
-        vals = [r[key] for r in rows if r.get(key) is not None]
-        return max(vals) if vals else None
-
-    for path, rows in data["results"].items():
-        lines.append(f"| {path} | {C.fmt_mib(worst(rows, 'step_peak_bytes'))} | {C.fmt_num(worst(rows, 'step_ms'))} | "
-                     f"{rows[0]['loss']:.4f} |")
-    meg = data["results"].get("megatron")
-    for path, rows in data["results"].items():
-        m, c = (worst(meg, "step_peak_bytes") if meg else None), worst(rows, "step_peak_bytes")
-        if path != "megatron" and m and c:
-            lines += ["", f"{path}: step peak {c / m:.2f}× Megatron's ({C.fmt_mib(m - c)} MiB less per rank)."]
-    lines += ["", (f"GPU: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; commit {meta['git_commit']}; "
-              f"{meta['date']}."), "", f"Command: `{meta['command']}`", ""]
-    return "\n".join(lines)
-
-
-def gpt_step(args, d: Dist) -> int:
-    tp = int(args.tp.split(",")[0]) if args.tp != "1,2,4" else 2
-    if d.world % tp:
-        raise SystemExit(f"world size {d.world} is not a multiple of --tp {tp}")
-    V, D = (1024, 64) if args.cpu_smoke else C.MODEL_SHAPES[args.shape]
-    a = {"vocab": V, "hidden": D, "heads": 4 if args.cpu_smoke else 8, "ffn": 4 * D, "layers": 1 if args.cpu_smoke
-         else 2, "seq": 32 if args.cpu_smoke else args.seq, "mbs": args.batch, "tp": tp,
-         "sp": tp > 1 and "on" in args.sp and not args.cpu_smoke, "tied": False, "ddp": not args.cpu_smoke,
-         "repeats": 1 if args.cpu_smoke else 3, "cpu_smoke": args.cpu_smoke}
-    impls = [k.split(":", 1)[1] for k in C.csv_list(args.methods) if k.startswith("ours:")]
-    default = "torch" if args.cpu_smoke else "cce_kahan_full_c"
-    a["impls"] = default if args.methods == DEFAULT_METHODS else ",".join(impls) or default
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    if d.device.type == "cuda":
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
-    results = {}
-    for name, impl in [("megatron", None)] + [(f"cce:{i}", i) for i in C.csv_list(a["impls"])]:
-        results[name] = gather_objects(gpt_step_measure(a, d.device, impl), d)
-        C.free_memory(d.device)  # the model is gone with gpt_step_measure's frame
-        if d.lead:
-            peak = C.fmt_mib(max((r["step_peak_bytes"] or 0) for r in results[name]) or None)
-            print(f"{name:24s} step peak {peak} MiB  loss {results[name][0]['loss']:.4f}", flush=True)
-    if d.lead:
-        meta = C.run_metadata(d.device, args.commit)
-        data = {"meta": meta, "config": a, "world": d.world, "results": results}
-        out = Path(args.out) if args.out else (C.SMOKE_OUT if args.cpu_smoke else C.RESULTS)
-        stem = C.out_stem(out, meta, "megatron_memory" + (f"_{args.tag}" if args.tag else ""))
-        C.write_report(stem, data, gpt_step_markdown(data))
-        print(f"wrote {stem}.json and .md")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 # ---- Main ----------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
     p = C.arg_parser(__doc__, regimes="random", methods=DEFAULT_METHODS, warmup=3,
                      methods_help="megatron, megatron_fused, ours, ours:<impl>[@<budget>]")
-    p.add_argument("--tp", default="1,2,4", help="TP sizes; each must divide the world size (--gpt-step: one)")
+    p.add_argument("--tp", default="1,2,4", help="TP sizes; each must divide the world size")
     p.add_argument("--sp", default="off,on", help="sequence parallelism: off, on or off,on (on only for TP > 1)")
     p.add_argument("--shape", default="gemma2-2b", choices=list(C.MODEL_SHAPES), help="head (V, D)")
     p.add_argument("--seq", type=int, default=4096, help="s: sequence length (global); N = s·b")
     p.add_argument("--batch", type=int, default=2, help="b: micro-batch size")
     p.add_argument("--nccl-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
-    p.add_argument("--gpt-step", action="store_true", help="one GPTModel step's peak memory, Megatron vs use_cce")
-    # under --gpt-step these change nothing: its smoke run is sized by --cpu-smoke alone
     smoke = {"seq": 16, "warmup": 1, "repeats": 3, "methods": "megatron,megatron_fused,ours:torch"}
     args = C.parse_run_args(p, argv, smoke)
     sp_words = C.csv_list(args.sp)
@@ -610,11 +464,6 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")  # recorded in meta.env instead
-    if args.gpt_step:
-        warnings.filterwarnings("ignore")
-        if args.cpu_smoke:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        return gpt_step(args, init_dist(args.cpu_smoke, 600.0))
     dtype = C.DTYPES[args.dtype]
     if not args.cpu_smoke:
         torch.backends.cuda.matmul.allow_tf32 = False
