@@ -29,7 +29,7 @@ import bench_loss
 import bench_tp
 
 
-def run_tp(argv: list[str]) -> int:
+def tp(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks tp", add_help=False)
     p.add_argument("--sizes", default="1,2,4", help="TP sizes, one torchrun launch each")
     p.add_argument("--nproc", type=int, default=None, help="ranks per launch (default: every visible GPU)")
@@ -50,8 +50,7 @@ def run_tp(argv: list[str]) -> int:
             raise SystemExit("tp: no GPU visible; pass --nproc N with --cpu-smoke to test the plumbing on gloo")
     out = Path(own.out) if own.out else C.RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    part = f"{own.tag}-part" if own.tag else "part"
-    rc = 0
+    part, rc = f"{own.tag}-part" if own.tag else "part", 0
     for t in C.csv_list(own.sizes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={own.nproc}",
                str(HERE / "bench_tp.py"), "--tp", t, "--out", str(out), "--tag", f"{part}-tp{t}", *rest]
@@ -94,31 +93,29 @@ def render(argv: list[str]) -> int:
     return (bench_tp if kinds == {"tp"} else bench_loss).render(a.files, a.out, a.tag)
 
 
+def baseline(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks baseline")
+    p.add_argument("ref", help="a git ref of this checkout")
+    p.add_argument("dir", help="folder to write cce_parallel_<sha> into")
+    a = p.parse_args(argv)
+    Path(a.dir).mkdir(parents=True, exist_ok=True)
+    print(C.export_baseline(a.ref, Path(a.dir)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "loss":
-        return bench_loss.main(rest)
-    if command == "tp":
-        return run_tp(rest)
-    if command in ("compare", "sweep", "resilience", "report"):
+    commands = {"loss": bench_loss.main, "tp": tp, "render": render, "baseline": baseline}
+    if argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    if argv[0] in ("compare", "sweep", "resilience", "report"):
         import train
 
         return train.main(argv)
-    if command == "render":
-        return render(rest)
-    if command == "baseline":
-        p = argparse.ArgumentParser(prog="python -m benchmarks baseline")
-        p.add_argument("ref", help="a git ref of this checkout")
-        p.add_argument("dir", help="folder to write cce_parallel_<sha> into")
-        a = p.parse_args(rest)
-        Path(a.dir).mkdir(parents=True, exist_ok=True)
-        print(C.export_baseline(a.ref, Path(a.dir)))
-        return 0
-    raise SystemExit(f"unknown command {command!r}; known: loss, tp, compare, sweep, resilience, report, render, baseline")
+    raise SystemExit(f"unknown command {argv[0]!r}; known: loss, tp, compare, sweep, resilience, report, render, baseline")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 SMOKE_OUT = Path("/tmp/cce_parallel_bench_smoke")
 MiB = float(1 << 20)
-DEFAULT_TOKENS = 8192
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -40,17 +40,11 @@ class FatalCudaError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Shape:
-    """One classifier head: N tokens, vocabulary V, hidden size D."""
-
+class Shape:  # one classifier head: N tokens, vocabulary V, hidden size D
     name: str
     N: int
     V: int
     D: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} (N={self.N}, V={self.V}, D={self.D})"
 
 
 # (V, D) of the output heads of real models; tiny odd ones for the CPU smoke mode.
@@ -67,9 +61,9 @@ SMOKE_SHAPES: dict[str, tuple[int, int]] = {"tiny-a": (517, 48), "tiny-b": (1000
 
 def parse_shape(item: str, tokens: int, table: dict[str, tuple[int, int]]) -> Shape:
     """A name from ``table`` (with ``tokens`` tokens) or a custom ``NxVxD``."""
-    m = re.match(r"^(\d+)x(\d+)x(\d+)$", item)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", item)
     if m:
-        return Shape(item, *(int(g) for g in m.groups()))
+        return Shape(item, *map(int, m.groups()))
     if item not in table:
         raise SystemExit(f"unknown shape {item!r}; known: {', '.join(table)} or NxVxD")
     return Shape(item, tokens, *table[item])
@@ -77,12 +71,6 @@ def parse_shape(item: str, tokens: int, table: dict[str, tuple[int, int]]) -> Sh
 
 def csv_list(text: str | None) -> list[str]:
     return [s.strip() for s in (text or "").split(",") if s.strip()]
-
-
-def check_regimes(regimes: list[str]) -> None:
-    for r in regimes:
-        if r not in REGIMES:
-            raise SystemExit(f"unknown regime {r!r}; known: {', '.join(REGIMES)}")
 
 
 def arg_parser(doc: str, *, regimes: str, methods: str, methods_help: str, warmup: int) -> argparse.ArgumentParser:
@@ -104,13 +92,18 @@ def arg_parser(doc: str, *, regimes: str, methods: str, methods_help: str, warmu
 
 
 def parse_run_args(p: argparse.ArgumentParser, argv, smoke: dict) -> argparse.Namespace:
-    """Parse; with --cpu-smoke, every option of `smoke` left at its default takes its smoke value."""
+    """Parse; with --cpu-smoke, every option of `smoke` left at its default takes its smoke value.
+    --regimes becomes a list of known regimes."""
     args = p.parse_args(argv)
     if args.cpu_smoke:
         for name, value in smoke.items():
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)
     args.rounds = max(1, min(args.rounds, args.repeats))
+    args.regimes = csv_list(args.regimes)
+    for r in args.regimes:
+        if r not in REGIMES:
+            raise SystemExit(f"unknown regime {r!r}; known: {', '.join(REGIMES)}")
     return args
 
 
@@ -298,33 +291,30 @@ def sync(device) -> None:
 
 
 def time_ms(fn: Callable[[], object], *, device, warmup=3, repeats=10, setup: Callable | None = None) -> list:
-    """Per-repeat times of ``fn()`` in ms. ``setup()`` runs before each call, outside the timed region."""
+    """Per-repeat times of ``fn()`` in ms: CUDA events (read after the last call), else perf_counter.
+    ``setup()`` runs before each call, outside the timed region."""
     for _ in range(warmup):
         if setup is not None:
             setup()
         fn()
     sync(device)
-    times: list[float] = []
-    if is_cuda(device):
-        events = []
-        for _ in range(repeats):
-            if setup is not None:
-                setup()
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
+    cuda, times, events = is_cuda(device), [], []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
             b.record()
             events.append((a, b))
-        torch.cuda.synchronize(device)
-        times = [a.elapsed_time(b) for a, b in events]
-    else:
-        for _ in range(repeats):
-            if setup is not None:
-                setup()
+        else:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize(device)
+        times = [a.elapsed_time(b) for a, b in events]
     return times
 
 
@@ -344,6 +334,11 @@ def balanced_orders(n: int, rounds: int) -> list:
     if n % 2:
         rows += [row[::-1] for row in rows]
     return [rows[r % len(rows)] for r in range(rounds)]
+
+
+def round_sizes(repeats: int, rounds: int) -> list:
+    """Timed calls per key in each round of time_in_rounds (its times come in this order)."""
+    return [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
 
 
 def time_in_rounds(calls: list, *, device, warmup: int, repeats: int, rounds: int, setup=None) -> dict:
@@ -368,11 +363,6 @@ def time_in_rounds(calls: list, *, device, warmup: int, repeats: int, rounds: in
                 if setup is not None:
                     setup()
     return out
-
-
-def round_sizes(repeats: int, rounds: int) -> list:
-    """Timed calls per key in each round of time_in_rounds (its times come in this order)."""
-    return [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
 
 
 def paired_ratio(times: list, ref_times: list, sizes: list):
@@ -441,6 +431,81 @@ def failure(exc: BaseException, stage: str) -> dict:
     return {"status": "oom" if is_oom(exc) else "error", "stage": stage, "error": short_error(exc)}
 
 
+def measure(make: Callable, e, c, t, *, device, ref=None, mem_key: str, trace: bool = False):
+    """All of one method but its time: loss_fn = make(); one forward + backward (compiles, autotunes)
+    for the loss and, with ref = fp32 (loss, ∇e, ∇c), its errors; res[mem_key] the peak_bytes of
+    another. The first failure is recorded with its stage (and traceback, with trace); a fatal CUDA
+    error raises FatalCudaError (.result: what was recorded). Returns (res, loss_fn or None)."""
+    res: dict = {"status": "ok"}
+    stage, fn = "build", None
+
+    def clear_grads():
+        e.grad = c.grad = None
+
+    try:
+        fn = make()
+
+        def fwd_bwd():
+            loss = fn(e, c, t)
+            loss.backward()
+            return loss
+
+        stage = "accuracy"
+        clear_grads()
+        loss = fwd_bwd()
+        sync(device)
+        res["loss"] = float(loss.detach().float())
+        if ref is not None:
+            res["loss_rel_err"] = abs(res["loss"] - ref[0]) / abs(ref[0])
+            res["grad_e_rel_err"] = rel_err(e.grad.reshape(-1, e.shape[-1]), ref[1]) if e.grad is not None else None
+            res["grad_c_rel_err"] = rel_err(c.grad, ref[2]) if c.grad is not None else None
+        del loss
+        clear_grads()
+        stage = "fwd+bwd memory"
+        res[mem_key] = peak_bytes(fwd_bwd, device=device)
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded, then the run goes on
+        res.update(failure(exc, stage))
+        if trace:
+            res["traceback"] = traceback.format_exc(limit=8)
+        if is_fatal_cuda_error(exc):
+            fatal = FatalCudaError(res["error"])
+            fatal.result = res
+            raise fatal from None
+    finally:
+        clear_grads()
+        free_memory(device)
+    return res, (fn if res["status"] == "ok" else None)
+
+
+def time_fwd_bwd(alive: list, e, c, t, args, *, device, flops: float, tflops_key: str,
+                 paired_to: str | None = None) -> None:
+    """Forward + backward time of every (res, loss_fn) in `alive` side by side (time_in_rounds, fresh
+    gradients each call) into res["fwd_bwd"] and res[tflops_key]; with paired_to, fwd_bwd's
+    vs_<paired_to>_paired: the paired_ratio to the res whose "key" it is. After a fatal CUDA error,
+    FatalCudaError once every result is recorded."""
+
+    def clear_grads():
+        e.grad = c.grad = None
+
+    calls = [(i, lambda fn=fn: fn(e, c, t).backward()) for i, (_, fn) in enumerate(alive)]
+    timed = time_in_rounds(calls, device=device, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
+                           setup=clear_grads)
+    ref = next((timed[i][0] for i, (r, _) in enumerate(alive) if r.get("key") == paired_to), [])
+    fatal = None
+    for i, (times, exc) in timed.items():
+        res = alive[i][0]
+        if exc is not None:
+            res.update(failure(exc, "fwd+bwd"))
+            fatal = fatal or (res["error"] if is_fatal_cuda_error(exc) else None)
+            continue
+        res["fwd_bwd"] = summarize_times(times)
+        res[tflops_key] = flops / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
+        if paired_to:  # round by round (None where a round is short)
+            res["fwd_bwd"][f"vs_{paired_to}_paired"] = paired_ratio(times, ref, round_sizes(args.repeats, args.rounds))
+    if fatal is not None:
+        raise FatalCudaError(fatal)
+
+
 @torch.no_grad()
 def matmul_ms(shape: Shape, *, device, dtype=torch.bfloat16, warmup=3, repeats=10, seed=0) -> dict:
     """cuBLAS (torch.mm) time of the logits product [N, D] @ [D, V] into a preallocated output."""
@@ -452,6 +517,21 @@ def matmul_ms(shape: Shape, *, device, dtype=torch.bfloat16, warmup=3, repeats=1
     med = statistics.median(time_ms(lambda: torch.mm(a, b.T, out=out), device=device, warmup=warmup,
                                     repeats=repeats))
     return {"ms": med, "tflops": 2.0 * shape.N * shape.V * shape.D / (med * 1e-3) / 1e12}
+
+
+def run_guarded(body: Callable[[], None], data: dict, where: str = "") -> int:
+    """body(); a fatal CUDA error (exit status 3) or any other exception (4, its traceback printed)
+    stops it and is recorded in data["aborted"], so that what was measured is still written."""
+    try:
+        body()
+        return 0
+    except FatalCudaError as exc:
+        data["aborted"], rc = f"fatal CUDA error{where}, run stopped: {exc}", 3
+    except Exception as exc:  # noqa: BLE001 - a bug here must not lose what was measured
+        traceback.print_exc()
+        data["aborted"], rc = f"unexpected error{where}, run stopped: {short_error(exc)}", 4
+    print(data["aborted"], file=sys.stderr, flush=True)
+    return rc
 
 
 # ---- Metadata and output -------------------------------------------------------------------------
@@ -490,6 +570,10 @@ def pkg_version(name: str) -> str | None:
         return None
 
 
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def run_metadata(device, commit: str | None = None) -> dict:
     try:
         import triton
@@ -501,8 +585,8 @@ def run_metadata(device, commit: str | None = None) -> dict:
         f"CPU ({platform.processor() or platform.machine()})")
     return {"device": name, "gpu": gpu_slug(name), "torch": torch.__version__, "triton": triton_version,
             "cuda": torch.version.cuda, "python": platform.python_version(), "git_commit": commit or git_commit(),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "hostname": platform.node(),
+            "date": utc_now(), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+            "hostname": platform.node(),
             "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ}}
 
 
@@ -521,37 +605,40 @@ def _clean(o):
     return str(o) if isinstance(o, (torch.dtype, Path)) else o
 
 
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
-    tmp.replace(path)
-
-
 def write_report(stem: Path, data: dict, markdown: str) -> list[str]:
-    """stem.json (strict JSON, without the keys that start with _) and stem.md; their paths."""
-    write_json(stem.with_suffix(".json"), {k: v for k, v in data.items() if not str(k).startswith("_")})
+    """stem.json (strict JSON, without the keys that start with _, written atomically) and stem.md;
+    their paths."""
+    path = stem.with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean({k: v for k, v in data.items() if not str(k).startswith("_")}), indent=1,
+                              allow_nan=False) + "\n")
+    tmp.replace(path)
     stem.with_suffix(".md").write_text(markdown)
-    return [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
+    return [str(path), str(stem.with_suffix(".md"))]
 
 
-def as_float(x):
-    """Undo _clean for numbers read back from JSON."""
-    if isinstance(x, str):
-        try:
-            return float(x)
-        except ValueError:
-            return None
-    return x
+def merge_results(files: list[str], case_key: Callable) -> tuple[list[dict], dict]:
+    """The result files, and one result of their cases (a later file's case wins where case_key
+    gives the same) with the first file's meta."""
+    datas = [json.loads(Path(f).read_text()) for f in files]
+    index = {case_key(cs): cs for d in datas for cs in d["cases"]}
+    return datas, {"meta": dict(datas[0]["meta"]), "cases": list(index.values())}
 
 
 def get(r, *path):
-    """r[path[0]][path[1]]... as a float, None where any step is missing."""
+    """r[path[0]][path[1]]... as a float (a non-finite one stored as its name read back), None where
+    any step is missing."""
     for p in path:
         if not isinstance(r, dict):
             return None
         r = r.get(p)
-    return as_float(r)
+    if isinstance(r, str):
+        try:
+            return float(r)
+        except ValueError:
+            return None
+    return r
 
 
 def fmt_num(x, spec: str = ".1f", missing: str = "–") -> str:
@@ -579,10 +666,6 @@ def md_row(cells) -> str:
 def md_table(header: list[str], rows) -> list[str]:
     """The lines of a Markdown table: the header, its rule, a line per row of cells."""
     return [md_row(header), "|" + "---|" * len(header), *(md_row(r) for r in rows)]
-
-
-def load_results(files: list[str]) -> list[dict]:
-    return [json.loads(Path(f).read_text()) for f in files]
 
 
 # ---- A baseline: cce_parallel as it was at another commit, imported beside this one --------------
@@ -625,15 +708,18 @@ def import_baseline(spec: str):
     return importlib.import_module(path.name)
 
 
-def parse_ours(key: str) -> tuple[str, str | None, object]:
-    """Split ``ours[:<impl>[@<budget>]]`` into (impl or "", budget text, logits_budget): "lean",
-    "auto" (the default), bytes, or <n>g / <n>m."""
-    spec = key.split(":", 1)[1] if ":" in key else ""
+def expand_ours(key: str, impls: list[str]) -> list[tuple[str, str, str | None, object]]:
+    """``ours[:<impl>[@<budget>]]`` (``base...`` alike) as (key, impl, budget text, logits_budget),
+    one per impl: without an impl every impl of `impls` but torch. The budget: "lean", "auto" (the
+    default), bytes, or <n>g / <n>m."""
+    prefix, _, spec = key.partition(":")
     impl, _, text = spec.partition("@")
-    if not text or text in ("lean", "auto"):
-        return impl, text or None, text or "auto"
-    mult = {"g": 1 << 30, "m": 1 << 20}.get(text[-1:].lower(), 1)
-    try:
-        return impl, text, int(float(text[:-1] if mult > 1 else text) * mult)
-    except ValueError:
-        raise SystemExit(f"bad logits budget {text!r} in method {key!r}: lean, auto, bytes, <n>g or <n>m") from None
+    budget: object = text or "auto"
+    if text and text not in ("lean", "auto"):
+        mult = {"g": 1 << 30, "m": 1 << 20}.get(text[-1:].lower(), 1)
+        try:
+            budget = int(float(text[:-1] if mult > 1 else text) * mult)
+        except ValueError:
+            raise SystemExit(f"bad logits budget {text!r} in method {key!r}: lean, auto, bytes, <n>g or <n>m") from None
+    return [(f"{prefix}:{i}" + (f"@{text}" if text else ""), i, text or None, budget)
+            for i in ([impl] if impl else [i for i in impls if i != "torch"])]

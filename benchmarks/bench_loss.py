@@ -1,9 +1,12 @@
 """How fast, how lean and how accurate is the loss + gradient on one GPU, next to the peers?
 
 Per (shape, regime) and method: forward + backward time in rounds that run every method in turn,
-peak memory above the inputs, TFLOP/s, and loss / ∇E / ∇C error against an fp32
-reference (docs/performance.md and benchmarks/README.md give the method). Results:
+peak memory above the inputs, TFLOP/s, and loss / ∇E / ∇C error against an fp32 reference
+(docs/performance.md and benchmarks/README.md give the method). Results:
 <out>/<gpu>_<yyyymmdd>[_<tag>].{json,md}, the JSON rewritten after every case.
+
+    python -m benchmarks loss [--shapes gemma2-2b,...] [--regimes trained,random] [--methods eager,ours,...]
+    python -m benchmarks loss --cpu-smoke        # tiny shapes on the CPU: the plumbing
 """
 
 from __future__ import annotations
@@ -121,8 +124,10 @@ def _torch_lce() -> Method:
 
 def _ours(key: str, out: list, baseline) -> None:
     """`ours[:<impl>][@<budget>][/<upstream>]` (or `base...`, the --baseline package) into `out`."""
-    prefix = key.split(":", 1)[0].split("/", 1)[0]
-    if prefix == "base":
+    spec, _, upstream = key.partition("/")
+    if upstream not in ("", *UPSTREAMS):
+        raise SystemExit(f"unknown upstream {upstream!r} in {key!r}: {', '.join(UPSTREAMS)}")
+    if spec.startswith("base"):
         if baseline is None:
             raise SystemExit(f"method {key!r} needs --baseline")
         pkg = baseline
@@ -133,21 +138,15 @@ def _ours(key: str, out: list, baseline) -> None:
             out.append(Method(key, "cce_parallel", unavailable=C.short_error(exc)))
             return
     package, impls = pkg.__name__, list(getattr(pkg, "IMPLS", ()))
-    key_spec, _, upstream = key.partition("/")
-    if upstream not in ("", *UPSTREAMS):
-        raise SystemExit(f"unknown upstream {upstream!r} in {key!r}: {', '.join(UPSTREAMS)}")
-    upstream = upstream or None
-    impl_part, budget_part, budget = C.parse_ours(key_spec)
-    wanted = [impl_part] if impl_part else [i for i in impls if i != "torch"]
-    for impl in wanted:
-        mkey = f"{prefix}:{impl}" + (f"@{budget_part}" if budget_part else "") + (f"/{upstream}" if upstream else "")
+    for mkey, impl, text, budget in C.expand_ours(spec, impls):
+        mkey += f"/{upstream}" if upstream else ""
         if any(m.key == mkey for m in out):
             continue
         if impl not in impls:
             out.append(Method(mkey, f"{package} {impl}", unavailable=f"not in IMPLS {impls}"))
             continue
 
-        def make(impl=impl, budget=budget, upstream=upstream, fn=pkg.linear_cross_entropy, package=package):
+        def make(impl=impl, budget=budget, fn=pkg.linear_cross_entropy):
             # Each method runs as in a process of its own: the process-wide switches a per-token
             # backward sets (lean path after /weighted, fp32 gradients after /unfolded) must not
             # carry over between methods that take turns, so each call sets them as it alone would.
@@ -155,7 +154,7 @@ def _ours(key: str, out: list, baseline) -> None:
                 learned = importlib.import_module(f"{package}.ops.upstream")
             except ImportError:
                 learned = importlib.import_module(f"{package}.ops.autograd")
-            if upstream is None:
+            if not upstream:
                 base = lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)
             else:
                 base = _per_token(
@@ -171,9 +170,9 @@ def _ours(key: str, out: list, baseline) -> None:
 
             return loss
 
-        label = f"{package} {impl}" + (f" @{budget_part}" if budget_part else "") + (
+        label = f"{package} {impl}" + (f" @{text}" if text else "") + (
             f", per-token loss {UPSTREAMS[upstream]}" if upstream else "")
-        out.append(Method(mkey, label, make, info={"impl": impl, "logits_budget": budget, "upstream": upstream}))
+        out.append(Method(mkey, label, make, info={"impl": impl, "logits_budget": budget, "upstream": upstream or None}))
 
 
 def build_methods(keys: list[str], baseline=None) -> list[Method]:
@@ -190,7 +189,7 @@ def build_methods(keys: list[str], baseline=None) -> list[Method]:
             out.append(_peer("cutce", "cut-cross-entropy (cce)", "cut_cross_entropy", "cut-cross-entropy", _cutce))
         elif key == "torch_lce":
             out.append(_torch_lce())
-        elif key in ("ours", "base") or key.startswith(("ours:", "base:")):
+        elif key.partition("/")[0].partition(":")[0] in ("ours", "base"):
             _ours(key, out, baseline)
         else:
             raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, "
@@ -201,90 +200,17 @@ def build_methods(keys: list[str], baseline=None) -> list[Method]:
 # ---- Measuring -----------------------------------------------------------------------------------
 
 
-def measure_method(m: Method, e, c, t, ref, device):
-    """Every measurement of one method but its forward + backward time (interleaved_fwd_bwd takes
-    that); the first failure is recorded with what came before. Returns (result, loss_fn or None)."""
-    res: dict = {"key": m.key, "label": m.label, "status": "ok"}
-    if m.unavailable:
-        return {**res, "status": "unavailable", "error": m.unavailable}, None
-
-    def clear_grads():
-        e.grad = None
-        c.grad = None
-
-    stage, fn = "build", None
-    try:
-        fn = m.make()
-
-        def fwd_bwd():
-            loss = fn(e, c, t)
-            loss.backward()
-            return loss
-
-        stage = "accuracy"  # also the first (compiling / autotuning) call
-        clear_grads()
-        loss = fwd_bwd()
-        C.sync(device)
-        res["loss"] = float(loss.detach().float())
-        if ref is not None and not m.info.get("upstream"):  # the reference is the plain mean
-            ref_loss, ref_ge, ref_gc = ref
-            res["loss_rel_err"] = abs(res["loss"] - ref_loss) / abs(ref_loss)
-            res["grad_e_rel_err"] = C.rel_err(e.grad, ref_ge) if e.grad is not None else None
-            res["grad_c_rel_err"] = C.rel_err(c.grad, ref_gc) if c.grad is not None else None
-        del loss
-        clear_grads()
-        stage = "fwd+bwd memory"
-        res["fwd_bwd_mem_bytes"] = C.peak_bytes(fwd_bwd, device=device)
-    except Exception as exc:  # noqa: BLE001 - every failure is recorded, then the run goes on
-        res.update(C.failure(exc, stage))
-        if C.is_fatal_cuda_error(exc):
-            fatal = C.FatalCudaError(res["error"])
-            fatal.result = res
-            raise fatal from None
-    finally:
-        clear_grads()
-        C.free_memory(device)
-    return res, (fn if res["status"] == "ok" else None)
-
-
-def interleaved_fwd_bwd(alive: list, e, c, t, shape: C.Shape, args, device, results: dict) -> None:
-    """Forward + backward time of every (key, loss_fn) in `alive`, side by side in --rounds rounds
-    (C.time_in_rounds), --repeats timed calls each; into results[key]["fwd_bwd"]."""
-
-    def clear_grads():
-        e.grad = None
-        c.grad = None
-
-    calls = [(key, lambda fn=fn: fn(e, c, t).backward()) for key, fn in alive]
-    timed = C.time_in_rounds(
-        calls, device=device, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds, setup=clear_grads
-    )
-    sizes = C.round_sizes(args.repeats, args.rounds)
-    ref = timed.get("compile", ([], None))[0]
-    for key, (times, exc) in timed.items():
-        res = results[key]
-        if exc is not None:
-            res.update(C.failure(exc, "fwd+bwd"))
-            if C.is_fatal_cuda_error(exc):
-                raise C.FatalCudaError(res["error"])
-        else:
-            res["fwd_bwd"] = C.summarize_times(times)
-            res["fwd_bwd_tflops"] = 6.0 * shape.N * shape.V * shape.D / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
-            # Against torch.compile round by round (None without it or where a round is short).
-            res["fwd_bwd"]["vs_compile_paired"] = C.paired_ratio(times, ref, sizes)
-
-
 def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: int, sink: list) -> None:
     """Measure one case; its dict goes into ``sink`` first, so a fatal error keeps what was measured."""
-    elem = torch.finfo(dtype).bits // 8
-    out = {"kind": "main", "shape": shape.name, "N": shape.N, "V": shape.V, "D": shape.D, "regime": regime,
-           "dtype": str(dtype).replace("torch.", ""), "seed": seed,
-           "lower_bound_bytes": (shape.N * shape.D + shape.V * shape.D) * elem,
-           "input_bytes": (shape.N * shape.D + shape.V * shape.D) * elem + shape.N * 8, "methods": {}}
+    N, V, D = shape.N, shape.V, shape.D
+    bound = (N * D + V * D) * (torch.finfo(dtype).bits // 8)
+    out = {"kind": "main", "shape": shape.name, "N": N, "V": V, "D": D, "regime": regime,
+           "dtype": str(dtype).replace("torch.", ""), "seed": seed, "lower_bound_bytes": bound,
+           "input_bytes": bound + N * 8, "methods": {}}
     sink.append(out)
     t0 = time.perf_counter()
     C.free_memory(device)
-    e = c = t = ref = None
+    e = ref = None
     stage = "inputs"
     try:
         e, c, t = C.make_inputs(shape, regime, dtype=dtype, device=device, seed=seed)
@@ -304,8 +230,6 @@ def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: in
         if e is None:  # no inputs: nothing can be measured
             out["status"] = "oom" if C.is_oom(exc) else "error"
             return
-        if stage == "fp32 reference":
-            ref = None
     C.free_memory(device)
     out["setup_s"] = time.perf_counter() - t0
 
@@ -314,21 +238,26 @@ def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: in
     alive = []
     for m in methods:
         t1 = time.perf_counter()
-        try:
-            res, fn = measure_method(m, e, c, t, ref, device)
+        res = out["methods"][m.key] = {"key": m.key, "label": m.label, "status": "ok"}
+        if m.unavailable:
+            res.update(status="unavailable", error=m.unavailable, wall_s=time.perf_counter() - t1)
+            continue
+        try:  # the upstream variants' loss is not the plain mean of the reference
+            mine, fn = C.measure(m.make, e, c, t, device=device, ref=None if m.info.get("upstream") else ref,
+                                 mem_key="fwd_bwd_mem_bytes")
         except C.FatalCudaError as exc:
-            out["methods"][m.key] = exc.result
+            res.update(exc.result)
             raise
-        res["wall_s"] = time.perf_counter() - t1
-        out["methods"][m.key] = res
+        res.update(mine, wall_s=time.perf_counter() - t1)
         if fn is not None:
-            alive.append((m.key, fn))
+            alive.append((res, fn))
     t1 = time.perf_counter()
-    try:
-        interleaved_fwd_bwd(alive, e, c, t, shape, args, device, out["methods"])
+    try:  # against torch.compile round by round
+        C.time_fwd_bwd(alive, e, c, t, args, device=device, flops=6.0 * N * V * D, tflops_key="fwd_bwd_tflops",
+                       paired_to="compile")
     finally:
-        for key, _ in alive:
-            out["methods"][key]["wall_s"] += (time.perf_counter() - t1) / len(alive)
+        for res, _ in alive:
+            res["wall_s"] += (time.perf_counter() - t1) / len(alive)
         del alive
     del e, c, t, ref
     C.free_memory(device)
@@ -358,7 +287,7 @@ def render_markdown(data: dict) -> str:
     meta, get = data["meta"], C.get
     lines = ["# Loss + gradient on one GPU: cce_parallel next to its peers", "",
              (f"- device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
-             f"CUDA {meta.get('cuda')}, Python {meta.get('python')}")]
+              f"CUDA {meta.get('cuda')}, Python {meta.get('python')}")]
     if meta.get("sources"):
         lines.append(f"- merged from: {'; '.join(meta['sources'])} (each file's command is in its own report)")
     else:
@@ -368,12 +297,12 @@ def render_markdown(data: dict) -> str:
         lines.append(f"- cuBLAS bf16 {sq['n']}³ matmul: {sq['tflops']:.0f} TFLOP/s")
     lines += [
         (f"- timing: median of {meta.get('repeats')} after {meta.get('warmup')} warm-up calls (and one accuracy "
-        "call), CUDA events (perf_counter on a CPU), fresh gradients each call, reduction 'mean'; forward + "
-        f"backward in {meta.get('rounds', 1)} rounds over all methods, one warm-up call per method in each later round"),
+         "call), CUDA events (perf_counter on a CPU), fresh gradients each call, reduction 'mean'; forward + "
+         f"backward in {meta.get('rounds', 1)} rounds over all methods, one warm-up call per method in each later round"),
         f"- FLOPs: {FLOP_CONVENTION}", f"- memory: {MEMORY_CONVENTION}",
         "- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference from the same inputs upcast",
         ("- fwd+bwd ×compile, paired: per round, the method's median fwd+bwd time over torch.compile's in "
-        "that round; the median of those ratios over the rounds (a clock drifting between rounds cancels)"),
+         "that round; the median of those ratios over the rounds (a clock drifting between rounds cancels)"),
         "", "Regimes:"]
     lines += [f"- **{r}**: {C.REGIMES.get(r, '?')}" for r in sorted({cs["regime"] for cs in data["cases"]})]
     lines.append("")
@@ -381,61 +310,51 @@ def render_markdown(data: dict) -> str:
                    if r.get("status") == "unavailable"}
     if unavailable:
         lines += ["Unavailable: " + "; ".join(f"`{k}` ({v})" for k, v in unavailable.items()), ""]
-    main = [cs for cs in data["cases"] if cs["kind"] == "main"]
-    if main:
+    if data["cases"]:
         lines += ["## Model shapes", ""]
-    for cs in main:
+    for cs in data["cases"]:
         sm, mm = cs.get("softmax", {}), cs.get("matmul", {})
         head = [f"lower bound {C.fmt_mib(cs['lower_bound_bytes'])} MiB",
                 (f"softmax entries ≥ 2^-12: {100 * (get(sm, 'frac_ge_eps') or 0):.4f} % "
-                f"({C.fmt_num(get(sm, 'entries_ge_eps_per_row'), '.1f')} per row)"),
+                 f"({C.fmt_num(get(sm, 'entries_ge_eps_per_row'), '.1f')} per row)"),
                 f"median p(target) {C.fmt_num(get(sm, 'p_target_median'), '.3f')}",
                 f"fp32 loss {C.fmt_num(get(cs, 'ref_loss'), '.4f')}"]
         if "ms" in mm:
             head.append(f"cuBLAS logits matmul {mm['ms']:.2f} ms ({mm['tflops']:.0f} TFLOP/s)")
-        lines += [f"### {cs['shape']} (N={cs['N']}, V={cs['V']}, D={cs['D']}), {cs['regime']}", "",
-                  " · ".join(head), "",
-                  ("| method | fwd+bwd ms | fwd+bwd ×compile, paired | fwd+bwd MiB | fwd+bwd TFLOP/s "
-                  "| loss err | ∇E err | ∇C err | status |"),
-                  "|---|---|---|---|---|---|---|---|---|"]
+        rows = []
         for k, r in cs["methods"].items():
-            if r.get("status") == "unavailable":
-                continue
             status = r.get("status", "?")
+            if status == "unavailable":
+                continue
             if status != "ok":
                 status = f"{status}{' (' + r['stage'] + ')' if r.get('stage') else ''}: {r.get('error', '')[:100]}"
-            lines.append(C.md_row([
-                r.get("label", k), C.fmt_num(get(r, "fwd_bwd", "median_ms"), ".2f"),
-                C.fmt_num(get(r, "fwd_bwd", "vs_compile_paired"), ".3f"), C.fmt_mib(get(r, "fwd_bwd_mem_bytes")),
-                C.fmt_num(get(r, "fwd_bwd_tflops"), ".0f"),
-                C.fmt_err(get(r, "loss_rel_err")), C.fmt_err(get(r, "grad_e_rel_err")),
-                C.fmt_err(get(r, "grad_c_rel_err")), status]))
-        lines.append("")
+            rows.append([r.get("label", k), C.fmt_num(get(r, "fwd_bwd", "median_ms"), ".2f"),
+                         C.fmt_num(get(r, "fwd_bwd", "vs_compile_paired"), ".3f"),
+                         C.fmt_mib(get(r, "fwd_bwd_mem_bytes")), C.fmt_num(get(r, "fwd_bwd_tflops"), ".0f"),
+                         *(C.fmt_err(get(r, f"{x}_rel_err")) for x in ("loss", "grad_e", "grad_c")), status])
+        lines += [f"### {cs['shape']} (N={cs['N']}, V={cs['V']}, D={cs['D']}), {cs['regime']}", "",
+                  " · ".join(head), "",
+                  *C.md_table(["method", "fwd+bwd ms", "fwd+bwd ×compile, paired", "fwd+bwd MiB", "fwd+bwd TFLOP/s",
+                               "loss err", "∇E err", "∇C err", "status"], rows), ""]
         paired = over_base_paired(cs, meta)
         lines += [f"- fwd+bwd of `{key}` over `{base}`'s, paired: {ratio:.3f}" for key, base, ratio in paired]
         if paired:
             lines.append("")
-    for key, what in (("skipped_cases", "time budget: cases not run"), ("aborted", "run aborted")):
-        if data.get(key):
-            lines += [f"**{what}:** {data[key]}", ""]
+    if data.get("aborted"):
+        lines += [f"**run aborted:** {data['aborted']}", ""]
     return "\n".join(lines) + "\n"
 
 
 def render(files: list[str], out: str | None, tag: str | None) -> int:
     """Merge result files (later ones win for the same case) and write their .json/.md."""
-    datas = C.load_results(files)
-    merged: dict = {"meta": dict(datas[0]["meta"]), "cases": []}
+    datas, merged = C.merge_results(files, lambda cs: (cs["kind"], cs["shape"], cs["N"], cs["regime"]))
     merged["meta"]["sources"] = [f"{Path(f).name} (commit {d['meta'].get('git_commit')}, {d['meta'].get('date')})"
                                  for f, d in zip(files, datas)]
-    index: dict = {}
     for d in datas:
         if d.get("square_matmul"):
             merged["square_matmul"] = d["square_matmul"]
         for k in ("repeats", "warmup", "rounds"):
             merged["meta"].setdefault(k, d["meta"].get(k))
-        for cs in d["cases"]:
-            index[(cs["kind"], cs["shape"], cs["N"], cs["regime"])] = cs
-    merged["cases"] = list(index.values())
     stem = C.out_stem(Path(out) if out else Path(files[0]).parent, merged["meta"], tag or "merged")
     print("[bench_loss] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
     return 0
@@ -449,7 +368,7 @@ def parse_args(argv=None):
                     "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
     p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
     p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD)")
-    p.add_argument("--tokens", type=int, default=C.DEFAULT_TOKENS, help="tokens N for the model shapes")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens N for the model shapes")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="the cce_parallel of base[...] methods: a folder from `python -m benchmarks baseline`")
     smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "tokens": 64,
@@ -467,42 +386,36 @@ def main(argv=None) -> int:
             raise SystemExit("no CUDA device: run on a GPU, or use --cpu-smoke to test the plumbing")
         device, table, default_out = "cuda", C.MODEL_SHAPES, C.RESULTS
         torch.backends.cuda.matmul.allow_tf32 = False
-    out_dir = Path(args.out) if args.out else default_out
     shapes = [C.parse_shape(s, args.tokens, table) for s in C.csv_list(args.shapes)]
-    regimes = C.csv_list(args.regimes)
-    C.check_regimes(regimes)
     # Shape-major order: a second regime of the same shape reuses compiled / autotuned kernels.
-    cases = [(s, r) for s in shapes for r in regimes]
-
-    baseline = C.import_baseline(args.baseline) if args.baseline else None
-    methods = build_methods(C.csv_list(args.methods), baseline)
+    cases = [(s, r) for s in shapes for r in args.regimes]
+    methods = build_methods(C.csv_list(args.methods), C.import_baseline(args.baseline) if args.baseline else None)
     meta = C.run_metadata(device, args.commit)
     meta.update({
         "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,
         "flop_convention": FLOP_CONVENTION, "memory_convention": MEMORY_CONVENTION,
-        "regimes": {r: C.REGIMES[r] for r in regimes},
+        "regimes": {r: C.REGIMES[r] for r in args.regimes},
         "methods": {m.key: {"label": m.label, "unavailable": m.unavailable, **m.info} for m in methods},
         "packages": {n: C.pkg_version(n) for n in
                      ("liger-kernel", "cut-cross-entropy", "cce-parallel", "megatron-core", "numpy")},
     })
     data: dict = {"meta": meta, "cases": []}
-    stem = C.out_stem(out_dir, meta, args.tag)
+    stem = C.out_stem(Path(args.out) if args.out else default_out, meta, args.tag)
     print(f"[bench_loss] {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
           f"commit {meta['git_commit']}", flush=True)
     for m in methods:
         print(f"[bench_loss] method {m.key:<22} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
                                                               else ""), flush=True)
     print(f"[bench_loss] {len(cases)} cases x {len(methods)} methods -> {stem}.{{json,md}}", flush=True)
-
     start = time.monotonic()
     if C.is_cuda(device):
         data["square_matmul"] = {"n": 8192, **C.matmul_ms(C.Shape("square", 8192, 8192, 8192), device=device,
                                                           dtype=dtype)}
-    rc = 0
-    try:
+
+    def run():
         for i, (shape, regime) in enumerate(cases):
-            print(f"[{time.monotonic() - start:6.0f}s] case {i + 1}/{len(cases)}: {shape.label} {regime}",
-                  flush=True)
+            print(f"[{time.monotonic() - start:6.0f}s] case {i + 1}/{len(cases)}: {shape.name} (N={shape.N}, "
+                  f"V={shape.V}, D={shape.D}) {regime}", flush=True)
             run_case(shape, regime, methods, args, device, dtype, args.seed + i, data["cases"])
             for r in data["cases"][-1]["methods"].values():
                 print(f"  {r['key']:<28} {r['status']:<6} f+b {C.fmt_num(C.get(r, 'fwd_bwd', 'median_ms'), '.2f')} ms"
@@ -511,16 +424,8 @@ def main(argv=None) -> int:
                       f"  dC {C.fmt_err(C.get(r, 'grad_c_rel_err'))}  {r.get('error', '')[:100]}", flush=True)
             data["elapsed_s"] = time.monotonic() - start
             C.write_report(stem, data, render_markdown(data))  # partial results survive a killed run
-    except C.FatalCudaError as exc:
-        data["aborted"] = f"fatal CUDA error, run stopped: {exc}"
-        print(f"[bench_loss] {data['aborted']}", flush=True)
-        rc = 3
-    except Exception as exc:  # noqa: BLE001 - a bug here must not lose what was measured
-        import traceback
 
-        traceback.print_exc()
-        data["aborted"] = f"unexpected error, run stopped: {C.short_error(exc)}"
-        rc = 4
+    rc = C.run_guarded(run, data)
     data["elapsed_s"] = time.monotonic() - start
     written = C.write_report(stem, data, render_markdown(data))
     print(f"[bench_loss] {data['elapsed_s']:.0f} s; wrote " + ", ".join(written), flush=True)

@@ -2,12 +2,11 @@
 
 The same global tokens at every TP size: e [s, b, D], a [V, D] classifier in equal contiguous row
 shards, targets [s, b], in groups of t consecutive ranks; methods ``megatron``, ``megatron_fused``
-and ``ours:<impl>[@<budget>]`` (``tp_group``). ``--gpt-step``: one GPTModel step's peak memory per
-rank, Megatron's output path against ``use_cce``. benchmarks/README.md says what is measured.
+and ``ours:<impl>[@<budget>]`` (``tp_group``). benchmarks/README.md says what is measured.
 
+    python -m benchmarks tp --sizes 1,2,4 [options]   # a torchrun launch of this file per size, one report
     torchrun --nproc_per_node 4 benchmarks/bench_tp.py --tp 1,2,4 --out DIR --commit SHA
-    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --gpt-step --tp 2 --out DIR --commit SHA
-    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --cpu-smoke [--gpt-step]   # gloo: the plumbing
+    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --cpu-smoke   # gloo: the plumbing
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shlex
-import statistics
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_METHODS = "megatron,megatron_fused,ours:cce,ours:cce_kahan_full_c,ours:cce_kahan_full_c@lean"
-BASELINES = {"megatron": "Megatron", "megatron_fused": "Megatron fused"}
 MEMORY_CONVENTION = (
     "per rank: peak torch.cuda.max_memory_allocated above memory_allocated just before the call, "
     "plus what the method keeps allocated between calls (e.g. Megatron's SP all-gather buffer); "
@@ -62,14 +58,13 @@ class Dist:
 
 def init_dist(cpu: bool, timeout_s: float) -> Dist:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
     timeout = _dt.timedelta(seconds=timeout_s)
     if cpu:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
         return Dist(rank, world, torch.device("cpu"), "gloo")
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on GPUs, or use --cpu-smoke to test the plumbing")
-    device = torch.device("cuda", local)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device)
     return Dist(rank, world, device, "nccl")
@@ -132,11 +127,10 @@ def import_megatron():
 
 def build_methods(keys: list[str], mcore, mcore_err) -> list[Method]:
     out: list[Method] = []
-    mver = C.pkg_version("megatron-core")
     for key in keys:
-        if key in BASELINES:
+        if key in ("megatron", "megatron_fused"):
             fused = key == "megatron_fused"
-            label = f"Megatron-core {mver}: ColumnParallelLinear + " + (
+            label = f"Megatron-core {C.pkg_version('megatron-core')}: ColumnParallelLinear + " + (
                 "fused_vocab_parallel_cross_entropy" if fused else "vocab_parallel_cross_entropy")
             unavailable = mcore_err
             if mcore is not None and fused and mcore["fused_vpce"] is None:
@@ -150,12 +144,10 @@ def build_methods(keys: list[str], mcore, mcore_err) -> list[Method]:
             except Exception as exc:  # noqa: BLE001
                 out.append(Method(key, "cce_parallel", "ours", unavailable=C.short_error(exc)))
                 continue
-            impl_part, budget_part, budget = C.parse_ours(key)
-            for impl in [impl_part] if impl_part else [i for i in impls if i != "torch"]:
-                mkey = f"ours:{impl}" + (f"@{budget_part}" if budget_part else "")
+            for mkey, impl, text, budget in C.expand_ours(key, impls):
                 if not any(m.key == mkey for m in out):
-                    out.append(Method(mkey, f"cce_parallel {impl}" + (f" @{budget_part}" if budget_part else ""),
-                                      "ours", impl=impl, budget=budget,
+                    out.append(Method(mkey, f"cce_parallel {impl}" + (f" @{text}" if text else ""), "ours", impl=impl,
+                                      budget=budget,
                                       unavailable=None if impl in impls else f"not in cce_parallel.IMPLS {impls}"))
         else:
             raise SystemExit(f"unknown method {key!r}; known: megatron, megatron_fused, ours, ours:<impl>")
@@ -170,43 +162,25 @@ def make_loss_fn(m: Method, t: int, sp: bool, D: int, V: int, group, mcore, dtyp
         g = group if t > 1 else None  # at t = 1 the single-GPU library
         return lambda e, c, tg: cce_parallel.linear_cross_entropy(
             e, c, tg, tp_group=g, sequence_parallel=sp, impl=m.impl, logits_budget=m.budget)
-    ps = mcore["ps"]
     if sp and device.type != "cuda":
         raise NotImplementedError("Megatron's sequence-parallel linear needs CUDA (its all-gather buffer is on the GPU)")
     cfg = mcore["ModelParallelConfig"](tensor_model_parallel_size=t, sequence_parallel=sp, params_dtype=dtype,
                                        gradient_accumulation_fusion=False, perform_initialization=False,
                                        use_cpu_initialization=device.type != "cuda")
-    tp_group = ps.get_tensor_model_parallel_group()
+    tp_group = mcore["ps"].get_tensor_model_parallel_group()
     layer = mcore["ColumnParallelLinear"](D, V, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
                                           gather_output=False, skip_weight_param_allocation=True, tp_group=tp_group)
-    if m.fused:
-        fvpce = mcore["fused_vpce"]
-
-        def meg_fused(e, c, tg):
-            logits, _ = layer(e, weight=c)
-            return fvpce(logits, tg, tp_group).mean()
-
-        return meg_fused
-    vpce = mcore["vpce"]
+    fvpce, vpce = mcore["fused_vpce"], mcore["vpce"]
 
     def meg(e, c, tg):
         logits, _ = layer(e, weight=c)  # [s, b, V/t] bf16; with SP, e is gathered inside
-        return vpce(logits, tg).mean()  # per-token loss [s, b] -> mean over the N tokens
+        # per-token loss [s, b] -> mean over the N tokens
+        return (fvpce(logits, tg, tp_group) if m.fused else vpce(logits, tg)).mean()
 
     return meg
 
 
 # ---- Measuring -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Inputs:
-    e: torch.Tensor  # this rank's e: [s, b, D], or [s/t, b, D] under SP (leaf, requires grad)
-    c: torch.Tensor  # this rank's classifier shard [V/t, D] (leaf, requires grad)
-    t: torch.Tensor  # targets [s, b]
-    ref_loss: float
-    ref_ge: torch.Tensor  # fp32 reference ∇e rows matching e (flattened [rows, D])
-    ref_gc: torch.Tensor  # fp32 reference ∇c rows of this shard
 
 
 def allocated(device) -> int | None:
@@ -216,79 +190,21 @@ def allocated(device) -> int | None:
     return int(torch.cuda.memory_allocated(device))
 
 
-def measure(m: Method, fn_builder: Callable, x: Inputs, d: Dist):
-    """One method on this rank but its forward + backward time (timed_rounds takes that); every
-    failure is recorded with its stage (fatal CUDA errors raise). Returns (result, loss_fn or None)."""
-    res: dict = {"status": "ok"}
-    e, c, t = x.e, x.c, x.t
-
-    def clear():
-        e.grad = None
-        c.grad = None
-
-    stage, fn = "build", None
-    try:
-        C.free_memory(d.device)
-        before = allocated(d.device)
-        fn = fn_builder()
-
-        def fwd_bwd():
-            loss = fn(e, c, t)
-            loss.backward()
-            return loss
-
-        stage = "accuracy"
-        clear()
-        loss = fwd_bwd()
-        C.sync(d.device)
-        res["loss"] = float(loss.detach().float())
-        res["loss_rel_err"] = abs(res["loss"] - x.ref_loss) / abs(x.ref_loss)
-        res["grad_e_rel_err"] = C.rel_err(e.grad.reshape(-1, e.shape[-1]), x.ref_ge) if e.grad is not None else None
-        res["grad_c_rel_err"] = C.rel_err(c.grad, x.ref_gc) if c.grad is not None else None
-        del loss
-        clear()
-        stage = "fwd+bwd memory"
-        res["peak_bytes"] = C.peak_bytes(fwd_bwd, device=d.device)
-        clear()
-        C.free_memory(d.device)
-        after = allocated(d.device)
-        if before is not None and after is not None:
-            res["persistent_bytes"] = max(0, after - before)
-            res["mem_bytes"] = res["peak_bytes"] + res["persistent_bytes"]
-    except Exception as exc:  # noqa: BLE001 - recorded, then the run goes on
-        res.update(C.failure(exc, stage), traceback=traceback.format_exc(limit=8))
-        print(f"[bench_tp rank {d.rank}] {m.key} FAILED at {stage}:\n{res['traceback']}", file=sys.stderr, flush=True)
-        if C.is_fatal_cuda_error(exc):
-            raise C.FatalCudaError(res["error"]) from None
-    finally:
-        clear()
-        C.free_memory(d.device)
-    return res, (fn if res["status"] == "ok" else None)
-
-
-def timed_rounds(alive: list, x: Inputs, args, d: Dist, flops: float) -> None:
-    """Forward + backward time of every (result, loss_fn) in `alive` on this rank, side by side in
-    --rounds rounds (C.time_in_rounds). Every rank runs the same sequence (collectives must meet)."""
-    e, c, t = x.e, x.c, x.t
-
-    def clear():
-        e.grad = None
-        c.grad = None
-
-    calls = [(i, lambda fn=fn: fn(e, c, t).backward()) for i, (_, fn) in enumerate(alive)]
-    timed = C.time_in_rounds(calls, device=d.device, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
-                             setup=clear)
-    fatal = None
-    for i, (times, exc) in timed.items():
-        res = alive[i][0]
-        if exc is not None:
-            res.update(C.failure(exc, "fwd+bwd"))
-            fatal = fatal or (res["error"] if C.is_fatal_cuda_error(exc) else None)
-        else:
-            res["fwd_bwd"] = C.summarize_times(times)
-            res["tflops"] = flops / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
-    if fatal is not None:
-        raise C.FatalCudaError(fatal)
+def measure(m: Method, make: Callable, e, c, tg, ref, d: Dist):
+    """One method on this rank but its time (C.measure), and what it keeps allocated between calls."""
+    t1 = time.perf_counter()
+    C.free_memory(d.device)
+    before = allocated(d.device)
+    res, fn = C.measure(make, e, c, tg, device=d.device, ref=ref, mem_key="peak_bytes", trace=True)
+    after = allocated(d.device)
+    if fn is not None and before is not None and after is not None:
+        res["persistent_bytes"] = max(0, after - before)
+        res["mem_bytes"] = res["peak_bytes"] + res["persistent_bytes"]
+    if fn is None:
+        print(f"[bench_tp rank {d.rank}] {m.key} FAILED at {res['stage']}:\n{res['traceback']}", file=sys.stderr,
+              flush=True)
+    res["wall_s"] = time.perf_counter() - t1
+    return res, fn
 
 
 def combine(per_rank: list[dict], t: int) -> dict:
@@ -329,37 +245,34 @@ def init_megatron(mcore, t: int, tp_rank: int):
 
 
 def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: dict, save: Callable):
-    s, b = args.seq, args.batch
-    N, V, D = shape.N, shape.V, shape.D
+    """Every regime and SP setting at TP size t; rank 0 adds the cases to data and saves each method's result."""
+    s, b, N, V, D = args.seq, args.batch, shape.N, shape.V, shape.D
     elem = torch.finfo(dtype).bits // 8
     group = make_tp_group(d, t) if t > 1 else None
-    tp_rank = d.rank % t
+    tp_rank, V_loc = d.rank % t, V // t
+    lo, hi = tp_rank * V_loc, (tp_rank + 1) * V_loc
     mcore_ready = None
     if mcore is not None and any(m.kind == "megatron" and not m.unavailable for m in methods):
         mcore_ready = init_megatron(mcore, t, tp_rank)
         if mcore_ready is not True:
             print(f"[bench_tp rank {d.rank}] initialize_model_parallel({t}) failed: {mcore_ready}", file=sys.stderr)
-    V_loc = V // t
-    lo, hi = tp_rank * V_loc, (tp_rank + 1) * V_loc
     for ri, regime in enumerate(args.regimes):
-        seed = args.seed + ri
-        t0 = time.perf_counter()
+        seed, t0 = args.seed + ri, time.perf_counter()
         e, c, tg = C.make_inputs(shape, regime, dtype=dtype, device=d.device, seed=seed)
         for x in (e, c, tg):  # seeded alike, but make sure: TP ranks must see identical inputs
             dist.broadcast(x, src=0)
         stats = C.softmax_stats(e, c, tg, rows=1024 if not args.cpu_smoke else 32) if d.lead else None
-        ref = C.reference_loss_grads(e, c, tg)
+        ref_loss, ref_ge, ref_gc = C.reference_loss_grads(e, c, tg)
         c_shard = c[lo:hi].clone().requires_grad_(True)
         targets, e_sb = tg.view(s, b), e.view(s, b, D)
-        ref_gc = ref[2][lo:hi].clone()
+        ref_gc = ref_gc[lo:hi].clone()  # the full one is freed
         del c, tg
-        ref = (ref[0], ref[1])
         setup_s = time.perf_counter() - t0
         for sp in [sp for sp in args.sp_list if t > 1 or not sp]:
             rows = (s // t) * b if sp else N
             case = {"regime": regime, "tp": t, "sp": sp, "world": d.world, "groups": d.world // t, "N": N, "s": s,
                     "b": b, "V": V, "D": D, "V_shard": V_loc, "dtype": str(dtype).replace("torch.", ""), "seed": seed,
-                    "softmax": stats, "ref_loss": ref[0], "setup_s": setup_s,
+                    "softmax": stats, "ref_loss": ref_loss, "setup_s": setup_s,
                     "lower_bound_parts": {"grad_e": rows * D * elem, "grad_c_shard": V_loc * D * elem,
                                           "gathered_e": N * D * elem if sp else 0},
                     "flops_per_rank": 6.0 * N * V_loc * D, "methods": {}}
@@ -369,50 +282,46 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
                 print(f"[{time.monotonic() - data['_start']:6.0f}s] TP={t} SP={'on' if sp else 'off'} {regime}: "
                       f"N={N} V={V} (shard {V_loc}) D={D}; bound {C.fmt_mib(case['lower_bound_bytes'])} MiB/rank",
                       flush=True)
-            if sp:  # SP rank r holds token rows r·(s/t)·b ... of the flattened [s, b]
-                e_loc = e_sb[tp_rank * (s // t) : (tp_rank + 1) * (s // t)].clone()
-                ref_ge = ref[1][tp_rank * (s // t) * b : (tp_rank + 1) * (s // t) * b]
-            else:
-                e_loc = e_sb.clone()
-                ref_ge = ref[1]
-            x = Inputs(e_loc.requires_grad_(True), c_shard, targets, ref[0], ref_ge, ref_gc)
+            # SP rank r holds token rows r·(s/t)·b ... of the flattened [s, b]
+            mine_rows = slice(tp_rank * (s // t), (tp_rank + 1) * (s // t)) if sp else slice(None)
+            e_loc = e_sb[mine_rows].clone().requires_grad_(True)
+            ref = (ref_loss, ref_ge[tp_rank * (s // t) * b:(tp_rank + 1) * (s // t) * b] if sp else ref_ge, ref_gc)
             entries, alive = {}, []
-            for m in methods:
-                entry = entries[m.key] = {"key": m.key, "label": m.label}
-                if m.unavailable:
-                    entry.update(status="unavailable", error=m.unavailable)
-                elif m.kind == "megatron" and mcore_ready is not True:
-                    entry.update(status="error", error=f"initialize_model_parallel({t}): {mcore_ready}")
-                elif m.kind == "megatron" and sp and d.device.type != "cuda":
-                    entry.update(status="skipped", error="Megatron's SP linear needs CUDA (CPU smoke mode)")
-                else:
+            try:
+                for m in methods:
+                    entry = entries[m.key] = {"key": m.key, "label": m.label}
+                    if m.unavailable:
+                        entry.update(status="unavailable", error=m.unavailable)
+                        continue
+                    if m.kind == "megatron" and mcore_ready is not True:
+                        entry.update(status="error", error=f"initialize_model_parallel({t}): {mcore_ready}")
+                        continue
+                    if m.kind == "megatron" and sp and d.device.type != "cuda":
+                        entry.update(status="skipped", error="Megatron's SP linear needs CUDA (CPU smoke mode)")
+                        continue
                     if m.kind == "megatron":  # its SP all-gather buffer is counted to the method that makes it
                         mcore["ps"].get_global_memory_buffer().buffer.clear()
-                    t1 = time.perf_counter()
                     try:
                         mine, fn = measure(m, lambda m=m, sp=sp: make_loss_fn(m, t, sp, D, V, group, mcore, dtype,
-                                                                              d.device), x, d)
+                                                                              d.device), e_loc, c_shard, targets, ref, d)
                     except C.FatalCudaError as exc:
-                        # The context is gone: rank 0 saves what it has; the other ranks stop at their next
-                        # collective (--nccl-timeout) and torchrun ends them.
-                        if d.lead:
-                            case["methods"][m.key] = {**entry, "status": "error", "stage": "?", "error": f"rank 0: {exc}"}
-                            save()
+                        entry["_mine"] = exc.result
                         raise
-                    mine["wall_s"] = time.perf_counter() - t1
                     entry["_mine"] = mine
                     if not any_rank(fn is None, d):  # timed only where every rank has it
                         alive.append((mine, fn))
-            t1 = time.perf_counter()
-            try:
-                timed_rounds(alive, x, args, d, case["flops_per_rank"])
+                t1 = time.perf_counter()
+                # Every rank runs the same sequence (collectives must meet).
+                C.time_fwd_bwd(alive, e_loc, c_shard, targets, args, device=d.device, flops=case["flops_per_rank"],
+                               tflops_key="tflops")
             except C.FatalCudaError:
-                if d.lead:  # what rank 0 measured; no collectives any more
+                # The context is gone: rank 0 keeps what it measured (no collectives any more); the other
+                # ranks stop at their next collective (--nccl-timeout) and torchrun ends them.
+                if d.lead:
                     for key, entry in entries.items():
                         mine = entry.pop("_mine", None) or {}
                         case["methods"][key] = {**entry, **{k: v for k, v in mine.items()
                                                             if k in ("status", "stage", "error")}}
-                    save()
                 raise
             for mine, _ in alive:
                 mine["wall_s"] += (time.perf_counter() - t1) / len(alive)
@@ -427,9 +336,9 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
                 if d.lead:
                     case["methods"][m.key] = entry
                     save()
-            del x, e_loc
+            del e_loc, ref
             C.free_memory(d.device)
-        del e, e_sb, c_shard, targets, ref, ref_gc
+        del e, e_sb, c_shard, targets, ref_ge, ref_gc
         C.free_memory(d.device)
 
 
@@ -463,35 +372,27 @@ def render_markdown(data: dict) -> str:
     meta, cfg = data["meta"], data["meta"].get("config", {})
     lines = ["# Loss + gradient under tensor parallelism: cce_parallel next to the Megatron path", "",
              (f"- device: {meta['world']} × {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
-             f"CUDA {meta.get('cuda')}, Python {meta.get('python')}; "
-             f"megatron-core {meta.get('packages', {}).get('megatron-core')}"),
+              f"CUDA {meta.get('cuda')}, Python {meta.get('python')}; "
+              f"megatron-core {meta.get('packages', {}).get('megatron-core')}"),
              f"- commit: `{meta['git_commit']}`; date: {meta['date']}"]
     lines += [f"- command: `{cmd}`" for cmd in meta.get("launches") or [meta.get("launch")]]
     if meta.get("sources"):
         lines.append(f"- merged from: {', '.join(meta['sources'])}")
     lines += [
         (f"- shape: N = {cfg.get('N')} tokens (s = {cfg.get('s')}, b = {cfg.get('b')}, [s, b, D] layout), "
-        f"V = {cfg.get('V')}, D = {cfg.get('D')}, {cfg.get('dtype')}; the same global tokens at every TP size"),
+         f"V = {cfg.get('V')}, D = {cfg.get('D')}, {cfg.get('dtype')}; the same global tokens at every TP size"),
         ("- TP groups: consecutive ranks; every group runs the same work; times are TP group 0's slowest "
-        f"rank, memory the largest over all {meta['world']} ranks; backend {meta.get('backend')}"),
+         f"rank, memory the largest over all {meta['world']} ranks; backend {meta.get('backend')}"),
         f"- timing: {TIME_CONVENTION} (warm-up {meta.get('warmup')}, repeats {meta.get('repeats')})",
         f"- memory: {MEMORY_CONVENTION}", f"- FLOPs: {FLOP_CONVENTION}",
         ("- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference on the full classifier (∇e: this "
-        "rank's rows under SP; ∇c: this rank's shard), largest over ranks"),
+         "rank's rows under SP; ∇c: this rank's shard), largest over ranks"),
         f"- env: {', '.join(f'{k}={v}' for k, v in sorted(meta.get('env', {}).items())) or 'none recorded'}",
         "", "Regimes:"]
     lines += [f"- **{r}**: {text}" for r, text in meta.get("regimes", {}).items()]
     for regime in dict.fromkeys(cs["regime"] for cs in data["cases"]):
         cases = sorted([cs for cs in data["cases"] if cs["regime"] == regime], key=lambda x: (x["tp"], x["sp"]))
-        sm = cases[0].get("softmax") or {}
-        lines += ["", f"## {regime}", "",
-                  (f"softmax entries ≥ 2^-12: {C.fmt_num(100 * (C.get(sm, 'frac_ge_eps') or 0), '.4f')} % "
-                  f"({C.fmt_num(C.get(sm, 'entries_ge_eps_per_row'), '.1f')} per row) · median p(target) "
-                  f"{C.fmt_num(C.get(sm, 'p_target_median'), '.3f')} · fp32 loss "
-                  f"{C.fmt_num(C.get(cases[0], 'ref_loss'), '.4f')}"), "",
-                  ("| TP | SP | method | fwd+bwd ms | TFLOP/s/rank | × Megatron | × Megatron fused | × own TP=1 | "
-                  "MiB/rank | bound MiB | × Megatron MiB | × Megatron fused MiB | loss err | ∇E err | ∇C err | status |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        sm, rows = cases[0].get("softmax") or {}, []
         for cs in cases:
             for key, r in cs["methods"].items():
                 ours = key.startswith("ours:")
@@ -500,16 +401,22 @@ def render_markdown(data: dict) -> str:
                 status = r.get("status", "?")
                 if status != "ok":
                     status = " ".join(x for x in (f"{status}:", r.get("stage"), (r.get("error") or "")[:90]) if x)
-                cells = [cs["tp"], "on" if cs["sp"] else "off", r.get("label", key),
-                         C.fmt_num(_ms(r) if status == "ok" else C.get(r, "fwd_bwd", "median_ms"), ".2f"),
-                         C.fmt_num(C.get(r, "tflops"), ".0f"), C.fmt_num(vs_mega, ".2f") if ours else "",
-                         C.fmt_num(vs_fused, ".2f") if ours else "", C.fmt_num(vs_tp1, ".2f"),
-                         C.fmt_mib(C.get(r, "mem_bytes")), C.fmt_mib(cs["lower_bound_bytes"]),
-                         C.fmt_num(mem_ratio(cs, key) if ours else None, ".2f"),
-                         C.fmt_num(mem_ratio(cs, key, "megatron_fused") if ours else None, ".2f"),
-                         C.fmt_err(C.get(r, "loss_rel_err")), C.fmt_err(C.get(r, "grad_e_rel_err")),
-                         C.fmt_err(C.get(r, "grad_c_rel_err")), status]
-                lines.append(C.md_row(cells))
+                rows.append([cs["tp"], "on" if cs["sp"] else "off", r.get("label", key),
+                             C.fmt_num(_ms(r) if status == "ok" else C.get(r, "fwd_bwd", "median_ms"), ".2f"),
+                             C.fmt_num(C.get(r, "tflops"), ".0f"), C.fmt_num(vs_mega, ".2f") if ours else "",
+                             C.fmt_num(vs_fused, ".2f") if ours else "", C.fmt_num(vs_tp1, ".2f"),
+                             C.fmt_mib(C.get(r, "mem_bytes")), C.fmt_mib(cs["lower_bound_bytes"]),
+                             C.fmt_num(mem_ratio(cs, key) if ours else None, ".2f"),
+                             C.fmt_num(mem_ratio(cs, key, "megatron_fused") if ours else None, ".2f"),
+                             *(C.fmt_err(C.get(r, f"{x}_rel_err")) for x in ("loss", "grad_e", "grad_c")), status])
+        lines += ["", f"## {regime}", "",
+                  (f"softmax entries ≥ 2^-12: {C.fmt_num(100 * (C.get(sm, 'frac_ge_eps') or 0), '.4f')} % "
+                   f"({C.fmt_num(C.get(sm, 'entries_ge_eps_per_row'), '.1f')} per row) · median p(target) "
+                   f"{C.fmt_num(C.get(sm, 'p_target_median'), '.3f')} · fp32 loss "
+                   f"{C.fmt_num(C.get(cases[0], 'ref_loss'), '.4f')}"), "",
+                  *C.md_table(["TP", "SP", "method", "fwd+bwd ms", "TFLOP/s/rank", "× Megatron", "× Megatron fused",
+                               "× own TP=1", "MiB/rank", "bound MiB", "× Megatron MiB", "× Megatron fused MiB",
+                               "loss err", "∇E err", "∇C err", "status"], rows)]
     if data.get("aborted"):
         lines += ["", f"**Run aborted:** {data['aborted']}"]
     if data.get("failures"):
@@ -519,13 +426,11 @@ def render_markdown(data: dict) -> str:
 
 def render(files: list[str], out: str | None, tag: str | None) -> int:
     """Merge per-launch result files (later ones win for the same case) into one report."""
-    datas = C.load_results(files)
-    meta = dict(datas[0]["meta"])
+    datas, merged = C.merge_results(files, lambda cs: (cs["regime"], cs["tp"], cs["sp"]))
+    meta = merged["meta"]
     meta["sources"] = [Path(f).name for f in files]
     meta["launches"] = list(dict.fromkeys(d["meta"].get("launch") for d in datas if d["meta"].get("launch")))
     meta["tp_sizes"] = sorted({t for d in datas for t in d["meta"].get("tp_sizes", [])})
-    index = {(cs["regime"], cs["tp"], cs["sp"]): cs for d in datas for cs in d["cases"]}
-    merged = {"meta": meta, "cases": list(index.values())}
     if any(d.get("failures") for d in datas):
         merged["failures"] = [f for d in datas for f in d.get("failures", [])]
     if any(d.get("aborted") for d in datas):
@@ -535,188 +440,36 @@ def render(files: list[str], out: str | None, tag: str | None) -> int:
     return 0
 
 
-# ---- --gpt-step: the peak memory of one megatron-core GPTModel training step ---------------------
-
-
-def gpt_step_measure(a, device, impl) -> dict:
-    """A fresh GPTModel (local spec, Float16Module, DDP with fp32 grads; with impl, after use_cce):
-    one warm-up step, then --repeats steps (forward with labels, masked mean, backward,
-    finalize_model_grads), each with its peak above memory_allocated before it and its time."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from cce_parallel.megatron import local_gpt_block_spec, use_cce
-
-    bf16, cuda = device.type == "cuda", device.type == "cuda"
-    config = TransformerConfig(
-        num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"], ffn_hidden_size=a["ffn"],
-        tensor_model_parallel_size=a["tp"], sequence_parallel=a["sp"], use_cpu_initialization=not cuda,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
-    torch.manual_seed(1)
-    gpt = GPTModel(config, local_gpt_block_spec(config), vocab_size=a["vocab"], max_sequence_length=a["seq"])
-    if impl is not None:
-        use_cce(gpt, impl=impl)
-    model = gpt.to(device)
-    if bf16:
-        model = Float16Module(config, model)
-    if a["ddp"]:
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    tokens = torch.randint(0, a["vocab"], (a["mbs"], a["seq"] + 1), generator=torch.Generator().manual_seed(5))
-    inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].contiguous().to(device)
-    position_ids = torch.arange(a["seq"]).expand(a["mbs"], -1).to(device)
-    mask = torch.ones(a["mbs"], a["seq"], device=device)
-
-    def step():
-        if a["ddp"]:
-            model.zero_grad_buffer()
-        for p in gpt.parameters():
-            p.grad = None
-        losses = model(inputs, position_ids, None, labels=labels)  # [b, s] fp32
-        loss = (losses.float() * mask).sum() / mask.sum()
-        loss.backward()
-        if a["ddp"]:
-            finalize_model_grads([model])
-        return loss.detach()
-
-    step()  # warm-up: Triton kernels compiled, DDP buffers used once
-    peaks, times = [], []
-    for _ in range(a["repeats"]):
-        if cuda:
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        loss = step()
-        if cuda:
-            stop.record()
-            torch.cuda.synchronize(device)
-            peaks.append(torch.cuda.max_memory_allocated(device) - base)
-            times.append(start.elapsed_time(stop))
-        else:
-            times.append(1e3 * (time.perf_counter() - t0))
-    return {"loss": float(loss), "step_peak_bytes": max(peaks) if peaks else None,
-            "step_ms": statistics.median(times)}
-
-
-def gpt_step_markdown(data: dict) -> str:
-    a, meta, world = data["config"], data["meta"], data["world"]
-    tokens = a["seq"] * a["mbs"]
-    lines = [f"# Peak memory of one GPTModel step: Megatron's output path vs CCE ({meta['device']})", "",
-             (f"V = {a['vocab']:,}, hidden {a['hidden']}, {a['layers']} layers, TP = {a['tp']} "
-             f"({'with' if a['sp'] else 'without'} sequence parallelism), {world // a['tp']} DP, {tokens:,} tokens per "
-             f"micro-batch (seq {a['seq']} × {a['mbs']}), {'bf16' if not a['cpu_smoke'] else 'fp32'}, "
-             f"{'Megatron DDP (fp32 grads)' if a['ddp'] else 'no DDP'}, {'tied' if a.get('tied') else 'untied'} "
-             f"embeddings. Megatron's bf16 logits alone are {C.fmt_mib(tokens * a['vocab'] // a['tp'] * 2)} MiB per rank."),
-             "", ("MiB (2^20 B) per rank, max over ranks; step peak = max_memory_allocated above memory_allocated "
-             "just before the step."), "",
-             "| path | step peak | step ms | loss |", "|---|---:|---:|---:|"]
-
-    def worst(rows, key):
-        vals = [r[key] for r in rows if r.get(key) is not None]
-        return max(vals) if vals else None
-
-    for path, rows in data["results"].items():
-        lines.append(f"| {path} | {C.fmt_mib(worst(rows, 'step_peak_bytes'))} | {C.fmt_num(worst(rows, 'step_ms'))} | "
-                     f"{rows[0]['loss']:.4f} |")
-    meg = data["results"].get("megatron")
-    for path, rows in data["results"].items():
-        m, c = (worst(meg, "step_peak_bytes") if meg else None), worst(rows, "step_peak_bytes")
-        if path != "megatron" and m and c:
-            lines += ["", f"{path}: step peak {c / m:.2f}× Megatron's ({C.fmt_mib(m - c)} MiB less per rank)."]
-    lines += ["", (f"GPU: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; commit {meta['git_commit']}; "
-              f"{meta['date']}."), "", f"Command: `{meta['command']}`", ""]
-    return "\n".join(lines)
-
-
-def gpt_step(args, d: Dist) -> int:
-    tp = int(args.tp.split(",")[0]) if args.tp != "1,2,4" else 2
-    if d.world % tp:
-        raise SystemExit(f"world size {d.world} is not a multiple of --tp {tp}")
-    V, D = (1024, 64) if args.cpu_smoke else C.MODEL_SHAPES[args.shape]
-    a = {"vocab": V, "hidden": D, "heads": 4 if args.cpu_smoke else 8, "ffn": 4 * D, "layers": 1 if args.cpu_smoke
-         else 2, "seq": 32 if args.cpu_smoke else args.seq, "mbs": args.batch, "tp": tp,
-         "sp": tp > 1 and "on" in args.sp and not args.cpu_smoke, "tied": False, "ddp": not args.cpu_smoke,
-         "repeats": 1 if args.cpu_smoke else 3, "cpu_smoke": args.cpu_smoke}
-    impls = [k.split(":", 1)[1] for k in C.csv_list(args.methods) if k.startswith("ours:")]
-    default = "torch" if args.cpu_smoke else "cce_kahan_full_c"
-    a["impls"] = default if args.methods == DEFAULT_METHODS else ",".join(impls) or default
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    if d.device.type == "cuda":
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
-    results = {}
-    for name, impl in [("megatron", None)] + [(f"cce:{i}", i) for i in C.csv_list(a["impls"])]:
-        results[name] = gather_objects(gpt_step_measure(a, d.device, impl), d)
-        C.free_memory(d.device)  # the model is gone with gpt_step_measure's frame
-        if d.lead:
-            peak = C.fmt_mib(max((r["step_peak_bytes"] or 0) for r in results[name]) or None)
-            print(f"{name:24s} step peak {peak} MiB  loss {results[name][0]['loss']:.4f}", flush=True)
-    if d.lead:
-        meta = C.run_metadata(d.device, args.commit)
-        data = {"meta": meta, "config": a, "world": d.world, "results": results}
-        out = Path(args.out) if args.out else (C.SMOKE_OUT if args.cpu_smoke else C.RESULTS)
-        stem = C.out_stem(out, meta, "megatron_memory" + (f"_{args.tag}" if args.tag else ""))
-        C.write_report(stem, data, gpt_step_markdown(data))
-        print(f"wrote {stem}.json and .md")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 # ---- Main ----------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
     p = C.arg_parser(__doc__, regimes="random", methods=DEFAULT_METHODS, warmup=3,
                      methods_help="megatron, megatron_fused, ours, ours:<impl>[@<budget>]")
-    p.add_argument("--tp", default="1,2,4", help="TP sizes; each must divide the world size (--gpt-step: one)")
+    p.add_argument("--tp", default="1,2,4", help="TP sizes; each must divide the world size")
     p.add_argument("--sp", default="off,on", help="sequence parallelism: off, on or off,on (on only for TP > 1)")
-    p.add_argument("--shape", default="gemma2-2b", help=f"head (V, D): one of {', '.join(C.MODEL_SHAPES)}")
+    p.add_argument("--shape", default="gemma2-2b", choices=list(C.MODEL_SHAPES), help="head (V, D)")
     p.add_argument("--seq", type=int, default=4096, help="s: sequence length (global); N = s·b")
     p.add_argument("--batch", type=int, default=2, help="b: micro-batch size")
     p.add_argument("--nccl-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
-    p.add_argument("--gpt-step", action="store_true", help="one GPTModel step's peak memory, Megatron vs use_cce")
-    # under --gpt-step these change nothing: its smoke run is sized by --cpu-smoke alone
     smoke = {"seq": 16, "warmup": 1, "repeats": 3, "methods": "megatron,megatron_fused,ours:torch"}
-    return C.parse_run_args(p, argv, smoke)
+    args = C.parse_run_args(p, argv, smoke)
+    sp_words = C.csv_list(args.sp)
+    if not sp_words or any(w not in ("off", "on") for w in sp_words):
+        raise SystemExit("--sp takes off, on or off,on")
+    args.sp_list = [w == "on" for w in dict.fromkeys(sp_words)]
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")  # recorded in meta.env instead
-    if args.gpt_step:
-        warnings.filterwarnings("ignore")
-        if args.cpu_smoke:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        return gpt_step(args, init_dist(args.cpu_smoke, 600.0))
     dtype = C.DTYPES[args.dtype]
     if not args.cpu_smoke:
         torch.backends.cuda.matmul.allow_tf32 = False
-    if args.shape not in C.MODEL_SHAPES:
-        raise SystemExit(f"unknown --shape {args.shape!r}; known: {', '.join(C.MODEL_SHAPES)}")
     V, D = C.SMOKE_SHAPES["tiny-b"] if args.cpu_smoke else C.MODEL_SHAPES[args.shape]
     shape = C.Shape(args.shape if not args.cpu_smoke else f"V{V}", args.seq * args.batch, V, D)
-    args.regimes = C.csv_list(args.regimes)
-    C.check_regimes(args.regimes)
-    sp_words = C.csv_list(args.sp)
-    if not sp_words or any(w not in ("off", "on") for w in sp_words):
-        raise SystemExit("--sp takes off, on or off,on")
-    args.sp_list = [w == "on" for w in dict.fromkeys(sp_words)]
     tp_sizes = [int(x) for x in C.csv_list(args.tp)]
-
     d = init_dist(args.cpu_smoke, args.nccl_timeout)
     if args.cpu_smoke and args.tp == "1,2,4":
         tp_sizes = [t for t in tp_sizes if d.world % t == 0]
@@ -744,9 +497,9 @@ def main(argv=None) -> int:
     })
     meta["env"].update({k: v for k, v in os.environ.items() if k.startswith("NCCL_")
                         or k in ("CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")})
-    out_dir = Path(args.out) if args.out else (C.SMOKE_OUT if args.cpu_smoke else C.RESULTS)
     data: dict = {"meta": meta, "cases": [], "_start": time.monotonic()}
-    stem = C.out_stem(out_dir, meta, "tp" + (f"_{args.tag}" if args.tag else ""))
+    stem = C.out_stem(Path(args.out) if args.out else (C.SMOKE_OUT if args.cpu_smoke else C.RESULTS), meta,
+                      "tp" + (f"_{args.tag}" if args.tag else ""))
 
     def save():
         if d.lead:
@@ -759,18 +512,12 @@ def main(argv=None) -> int:
         for m in methods:
             print(f"[bench_tp] method {m.key:<24} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
                                                                 else ""), flush=True)
-    rc = 0
-    try:
+
+    def run():
         for t in tp_sizes:
             run_tp(t, d, args, methods, mcore, dtype, shape, data, save)
-    except C.FatalCudaError as exc:
-        data["aborted"] = f"fatal CUDA error on rank {d.rank}, run stopped: {exc}"
-        print(f"[bench_tp] {data['aborted']}", file=sys.stderr, flush=True)
-        rc = 3
-    except Exception as exc:  # noqa: BLE001 - keep what was measured, then fail loudly
-        traceback.print_exc()
-        data["aborted"] = f"unexpected error on rank {d.rank}, run stopped: {C.short_error(exc)}"
-        rc = 4
+
+    rc = C.run_guarded(run, data, f" on rank {d.rank}")
     if d.lead:
         expected = ("unavailable", "skipped") if args.cpu_smoke else ("skipped",)
         fails = [f"TP={cs['tp']} SP={'on' if cs['sp'] else 'off'} {cs['regime']} {k}: {r.get('status')} "

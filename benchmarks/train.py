@@ -1,13 +1,14 @@
 """The train job as a benchmark: torchrun launches of cce_parallel.train, then one report.
 
-    compare     runs of one recipe that differ in loss.impl (run_train_compare.sh launches them):
+    compare     the recipe once per loss.impl on the same data and seed (or runs given with --runs):
                 loss curves, tokens/s, MFU and peak memory per rank against the first run
     sweep       per loss.impl, one launch per (seq_length, micro_batch) point up to its first that
                 does not train: the largest each one trains
     resilience  what background checkpoints, a save on SIGTERM and deterministic mode cost a run
     report      sweeps and one compare setting in one report (JSON, Markdown, PNG with matplotlib)
 
-    python -m benchmarks compare --runs OUT/gpt2-small-cce_kahan_full_c OUT/gpt2-small-megatron --out OUT
+    python -m benchmarks compare --out OUT [--recipe R --steps 300 --gbs 64 --mbs 8 --extra K=V ...]
+    python -m benchmarks compare --out OUT --runs OUT/gpt2-small-owt-cce_kahan_full_c OUT/gpt2-small-owt-megatron
     python -m benchmarks sweep --out OUT --seq 2048 --mbs 4 8 12 16 24 --tag mbs
     python -m benchmarks resilience --phase throughput --out OUT
 
@@ -39,6 +40,8 @@ import _common as C
 from cce_parallel.train.metrics import read_metrics
 
 OOM = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
+# Offline data for every launch: the stdlib text with an 8,192-token BPE (the model keeps the recipe's vocabulary).
+DATA = ["data.source=stdlib", "data.tokenizer=bpe", "data.vocab_size=8192"]
 
 
 # ---- Shared: launch, read, report ----------------------------------------------------------------
@@ -49,19 +52,25 @@ def torchrun(nproc: int, recipe: str, sets: list[str]) -> list[str]:
             "-m", "cce_parallel.train", "--recipe", recipe, "--set", *sets]
 
 
+def prepare_data(recipe: str, sets: list[str]) -> None:
+    """Tokenizer training and tokenization, once, before any torchrun launch."""
+    cmd = [sys.executable, "-m", "cce_parallel.train", "--recipe", recipe, "--prepare-data", "--set", *sets]
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
 def launch(cmd: list[str], *, timeout: float, log: Path | None = None, env: dict | None = None,
            metrics: Path | None = None, signal_at: int | None = None) -> dict:
-    """One launch, SIGKILLed after `timeout` s (exit "timeout"); output to `log` where given. With
-    signal_at, SIGTERM to torchrun once `metrics` logs that step. Returns {exit, seconds, signalled_at}."""
+    """One launch, its process group SIGKILLed after `timeout` s (exit "timeout"); output to `log`
+    where given. With signal_at, SIGTERM to torchrun once `metrics` logs that step. Returns
+    {exit, seconds, signalled_at}."""
     start = time.monotonic()
     status = signalled = None
     with open(log, "w") if log else contextlib.nullcontext() as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                stdout=out, stderr=subprocess.STDOUT if out else None)
+                                stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
         try:
             while proc.poll() is None:
                 if time.monotonic() - start > timeout:
-                    proc.send_signal(signal.SIGKILL)
                     status = "timeout"
                     break
                 if signal_at is not None and signalled is None and metrics.exists():
@@ -71,10 +80,11 @@ def launch(cmd: list[str], *, timeout: float, log: Path | None = None, env: dict
                         print(f"=== SIGTERM to torchrun after step {signalled}", flush=True)
                         proc.send_signal(signal.SIGTERM)
                 time.sleep(0.2)
-            proc.wait()
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # the workers too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     return {"exit": status or proc.returncode, "seconds": time.monotonic() - start, "signalled_at": signalled}
 
 
@@ -103,6 +113,19 @@ def versions(meta: dict) -> str:
 def write(stem: Path, data: dict, markdown: str) -> None:
     C.write_report(stem, data, markdown)
     print(markdown)
+
+
+def launch_parser(command: str, *, work: str, recipe: str, nproc: int, steps: int, timeout: float, **kw):
+    """The options of a command that launches the train job."""
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {command}", **kw)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--work", default=work, help="runs, data and checkpoints")
+    p.add_argument("--recipe", default=recipe)
+    p.add_argument("--nproc", type=int, default=nproc, help="ranks per launch")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--launch-timeout", type=float, default=timeout, help="seconds per launch")
+    p.add_argument("--extra", nargs="*", default=[], help="more --set overrides for every run, applied last")
+    return p
 
 
 # ---- compare: runs of one recipe that differ in loss.impl ----------------------------------------
@@ -187,29 +210,67 @@ def compare_md(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare_launch(args) -> tuple[list[Path], int]:
+    """The recipe once per --impls (tp and dp as the recipe and --nproc give), on the same data and
+    seed, each one torchrun launch killed after --launch-timeout s; runs, data and checkpoints in
+    --work. OUT/<recipe>-<impl> gets each run's metrics.jsonl, recipe.yaml and train.log."""
+    work, out = Path(args.work).resolve(), Path(args.out).resolve()
+    sets = [f"run.out_dir={work / 'runs'}", "run.seed=1234", *DATA, f"data.dir={work / 'data' / 'stdlib-bpe-8192'}",
+            f"train.steps={args.steps}", f"train.global_batch_size={args.gbs}", f"train.micro_batch_size={args.mbs}",
+            f"optim.warmup_steps={args.lr_warmup}", "eval.interval=100", "eval.iters=4", "checkpoint.interval=0",
+            "checkpoint.at_end=false", "checkpoint.resume=never", "logging.interval=10", "logging.wandb=disabled",
+            *args.extra]
+    prepare_data(args.recipe, sets)
+    rc, runs = 0, []
+    for impl in args.impls:
+        name = f"{Path(args.recipe).stem}-{impl}"
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)
+        (out / name).mkdir(parents=True, exist_ok=True)
+        print(f"=== loss.impl={impl} on {args.nproc} ranks ({time.strftime('%H:%M:%S')})", flush=True)
+        cmd = torchrun(args.nproc, args.recipe, [*sets, f"loss.impl={impl}", f"run.name={name}"])
+        status = launch(cmd, timeout=args.launch_timeout, log=out / name / "train.log")["exit"]
+        for f in ("metrics.jsonl", "recipe.yaml"):
+            if (work / "runs" / name / f).exists():
+                shutil.copy(work / "runs" / name / f, out / name / f)
+        if status != 0:
+            print(f"=== loss.impl={impl} exited with status {status} (log: {out / name / 'train.log'})", flush=True)
+            rc = 1
+        if (out / name / "metrics.jsonl").exists():
+            runs.append(out / name)
+    return runs, rc
+
+
 def compare(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks compare")
-    ap.add_argument("--runs", nargs="+", required=True, help="run directories (each with metrics.jsonl)")
-    ap.add_argument("--out", required=True, help="directory for the report")
+    ap = launch_parser("compare", work="/tmp/cce_train_compare", recipe="recipes/gpt2-small-owt.yaml", nproc=4,
+                       steps=300, timeout=240, description="loss layers side by side in the train job; exit status "
+                       "0 when every run and the report succeeded")
+    ap.add_argument("--runs", nargs="+", help="run directories (each with metrics.jsonl) to compare instead of launching")
+    ap.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"],
+                    help="loss.impl of each run; the first is the one the others are compared with")
+    ap.add_argument("--gbs", type=int, default=64, help="train.global_batch_size")
+    ap.add_argument("--mbs", type=int, default=8, help="train.micro_batch_size")
+    ap.add_argument("--lr-warmup", type=int, default=30, help="optim.warmup_steps")
     ap.add_argument("--tag", help="suffix of the report's file names")
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (default 10)")
     ap.add_argument("--command", help="the command that produced the runs (recorded)")
     args = ap.parse_args(argv)
 
+    rc = 0
+    if args.runs is None:
+        args.runs, rc = compare_launch(args)
     runs = [read_run(Path(d)) for d in args.runs]
     summaries = [summarize(r, args.warmup) for r in runs]
     unique_labels(summaries, [r["meta"] for r in runs])
     device = summaries[0]["device_name"]
     meta = {"device": device, "gpu": C.gpu_slug(device), "git_commit": summaries[0]["commit"] or C.git_commit(),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "command": args.command or " ".join([sys.executable, *sys.argv])}
+            "date": C.utc_now(), "command": args.command or " ".join([sys.executable, *sys.argv])}
     comparisons = [{"a": summaries[0]["label"], "b": s["label"], "losses": compare_losses(runs[0], r)}
                    for r, s in zip(runs[1:], summaries[1:])]
     data = {"meta": meta, "warmup": args.warmup, "runs": summaries, "comparisons": comparisons}
     day = meta["date"][:10].replace("-", "")
     stem = Path(args.out) / (f"train_compare_{meta['gpu']}_{day}" + (f"_{args.tag}" if args.tag else ""))
     write(stem, data, compare_md(data))
-    return 0 if all(math.isfinite(s["final_loss_mean20"]) for s in summaries) else 1
+    return rc or int(not all(math.isfinite(s["final_loss_mean20"]) for s in summaries))
 
 
 # ---- sweep: the largest run each loss.impl trains ------------------------------------------------
@@ -217,14 +278,13 @@ def compare(argv: list[str]) -> int:
 
 def sweep_point(args, impl: str, seq: int, mbs: int) -> dict:
     """One run of the recipe at (seq, mbs): {"trained": bool, "why", tokens/s, peak memory}."""
-    name = f"{impl}-s{seq}-m{mbs}"
-    work = Path(args.work)
+    name, work = f"{impl}-s{seq}-m{mbs}", Path(args.work)
     sets = [f"run.out_dir={work / 'runs'}", f"run.name={name}", "run.seed=1234", "checkpoint.interval=0",
-            "checkpoint.resume=never", "checkpoint.at_end=false", "data.source=stdlib", "data.tokenizer=bpe",
-            "data.vocab_size=8192", f"data.dir={work / 'data'}", f"model.seq_length={seq}",
-            f"train.micro_batch_size={mbs}", f"train.global_batch_size={mbs * args.nproc * args.accumulation}",
-            f"train.steps={args.steps}", "optim.warmup_steps=1", "eval.interval=0", "eval.iters=1", "logging.interval=1",
-            "logging.wandb=disabled", "loss.softcap=null", f"loss.impl={impl}", *args.extra]
+            "checkpoint.resume=never", "checkpoint.at_end=false", *DATA, f"data.dir={work / 'data'}",
+            f"model.seq_length={seq}", f"train.micro_batch_size={mbs}",
+            f"train.global_batch_size={mbs * args.nproc * args.accumulation}", f"train.steps={args.steps}",
+            "optim.warmup_steps=1", "eval.interval=0", "eval.iters=1", "logging.interval=1", "logging.wandb=disabled",
+            "loss.softcap=null", f"loss.impl={impl}", *args.extra]
     log = work / f"{name}.log"
     print(f"=== {name} ({time.strftime('%H:%M:%S')})", flush=True)
     run = launch(torchrun(args.nproc, args.recipe, sets), timeout=args.launch_timeout, log=log)
@@ -235,9 +295,8 @@ def sweep_point(args, impl: str, seq: int, mbs: int) -> dict:
     point["trained"] = run["exit"] == 0 and len(train) == args.steps
     if point["trained"]:
         measured = throughput(train, warmup=min(train))  # the steps after the first
-        point["tokens_per_s"] = measured["tokens_per_s_median"]
-        point["peak_mem_max"] = measured["peak_mem_max"]
-        point["meta"] = metrics["meta"][-1]
+        point.update(tokens_per_s=measured["tokens_per_s_median"], peak_mem_max=measured["peak_mem_max"],
+                     meta=metrics["meta"][-1])
     else:
         text = log.read_text(errors="replace")
         point["why"] = "out of memory" if any(s in text for s in OOM) else "timeout" if run["exit"] == "timeout" \
@@ -248,19 +307,18 @@ def sweep_point(args, impl: str, seq: int, mbs: int) -> dict:
 
 
 def sweep_points(args) -> list[dict]:
+    """Every impl's points in order, up to its first that does not train; OUT/points.json after each."""
     path = Path(args.out) / "points.json"
     points = json.loads(path.read_text()) if path.exists() else []
     for impl in args.impls:
         for seq in args.seq:
             for mbs in args.mbs:
-                point = sweep_point(args, impl, seq, mbs)
-                points.append(point)
+                points.append(sweep_point(args, impl, seq, mbs))
                 path.write_text(json.dumps(points, indent=1))
-                if not point["trained"]:
+                if not points[-1]["trained"]:
                     break
-            else:
-                continue
-            break  # this impl's first failure ends its sweep
+            if not points[-1]["trained"]:
+                break
     return points
 
 
@@ -269,10 +327,9 @@ def sweep_report(args, points: list[dict]) -> None:
     gpu, world, day = meta["device_name"], meta["layout"]["world"], run_day(meta)
     largest = {}
     for p in points:
-        if p["trained"]:
-            best = largest.get(p["impl"])
-            if best is None or (p["seq"] * p["mbs"], p["seq"]) > (best["seq"] * best["mbs"], best["seq"]):
-                largest[p["impl"]] = p
+        best = largest.get(p["impl"])
+        if p["trained"] and (best is None or (p["seq"] * p["mbs"], p["seq"]) > (best["seq"] * best["mbs"], best["seq"])):
+            largest[p["impl"]] = p
     first = args.impls[0]
     ref = largest.get(first)
     lines = [f"# The largest run each loss layer trains: {args.recipe}, {world}x {gpu}", "",
@@ -283,14 +340,9 @@ def sweep_report(args, points: list[dict]) -> None:
              f"{(p['peak_mem_max'] or 0) / 2**30:.1f}" if p["trained"] else ""] for p in points]
     lines += C.md_table(["loss.impl", "sequence", "micro-batch", "trained", "tokens/s", "peak memory per rank (GiB)"],
                         rows)
-    rows = []
-    for impl in args.impls:
-        p = largest.get(impl)
-        if p is None:
-            rows.append([impl, "none trained", "", ""])
-            continue
-        ratio = f"{ref['seq'] * ref['mbs'] / (p['seq'] * p['mbs']):.2f}" if ref else ""
-        rows.append([impl, f"{p['seq']:,} x {p['mbs']}", f"{p['seq'] * p['mbs']:,}", ratio])
+    rows = [[impl, "none trained", "", ""] if (p := largest.get(impl)) is None else
+            [impl, f"{p['seq']:,} x {p['mbs']}", f"{p['seq'] * p['mbs']:,}",
+             f"{ref['seq'] * ref['mbs'] / (p['seq'] * p['mbs']):.2f}" if ref else ""] for impl in args.impls]
     lines += ["", *C.md_table(["loss.impl", "largest (sequence x micro-batch)", "tokens", f"{first}'s tokens over it"],
                               rows)]
     name = f"train_sweep_{C.gpu_slug(gpu)}x{world}_{day.strftime('%Y%m%d')}" + (f"_{args.tag}" if args.tag else "")
@@ -301,18 +353,12 @@ def sweep_report(args, points: list[dict]) -> None:
 
 
 def sweep(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks sweep")
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/cce_train_sweep")
-    p.add_argument("--recipe", default="recipes/gemma-2b-owt.yaml")
+    p = launch_parser("sweep", work="/tmp/cce_train_sweep", recipe="recipes/gemma-2b-owt.yaml", nproc=4, steps=4,
+                      timeout=240)
     p.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"])
     p.add_argument("--seq", nargs="+", type=int, required=True, help="sequence lengths, in the order to try")
     p.add_argument("--mbs", nargs="+", type=int, default=[1], help="micro-batches, in the order to try (per sequence)")
-    p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step and rank")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--launch-timeout", type=float, default=240)
-    p.add_argument("--extra", nargs="*", default=[], help="more --set overrides for every run, applied last")
     p.add_argument("--tag", default=None)
     p.add_argument("--report-only", action="store_true", help="render OUT/points.json again")
     args = p.parse_args(argv)
@@ -332,70 +378,52 @@ def sweep(argv: list[str]) -> int:
 
 def resilience_sets(args) -> list[str]:
     work = Path(args.work)
-    return [f"run.out_dir={work / 'runs'}", "run.seed=1234", "data.source=stdlib", "data.tokenizer=bpe",
-            "data.vocab_size=8192", f"data.dir={work / 'data'}", "model.vocab_size=256000", f"train.steps={args.steps}",
-            "train.micro_batch_size=4", f"train.global_batch_size={16 * args.nproc}", "optim.warmup_steps=5",
-            "eval.interval=0", "eval.iters=1", "logging.interval=5", "logging.wandb=disabled", "checkpoint.keep=2",
-            *args.extra]
+    return [f"run.out_dir={work / 'runs'}", "run.seed=1234", *DATA, f"data.dir={work / 'data'}",
+            "model.vocab_size=256000", f"train.steps={args.steps}", "train.micro_batch_size=4",
+            f"train.global_batch_size={16 * args.nproc}", "optim.warmup_steps=5", "eval.interval=0", "eval.iters=1",
+            "logging.interval=5", "logging.wandb=disabled", "checkpoint.keep=2", *args.extra]
 
 
-def launch_run(args, name: str, extra: list[str], *, signal_at: int | None = None) -> dict:
-    """One torchrun launch of the recipe; with signal_at, SIGTERM to torchrun once that step is
-    logged (PET_SIGNALS_TO_HANDLE: torchrun forwards it to the workers)."""
+def run_once(args, out: Path, name: str, extra: list[str], *, signal_at: int | None = None, launches=()) -> list:
+    """One torchrun launch of the recipe (with signal_at, SIGTERM to torchrun once that step is
+    logged; PET_SIGNALS_TO_HANDLE: torchrun forwards it to the workers), the run added to
+    OUT/runs.json. Unless it was signalled, its checkpoints are deleted (37 GB each for the Gemma
+    recipe: the runs' checkpoints together would fill the disk). Returns its launches so far."""
     print(f"=== {name}: {' '.join(extra)} ({time.strftime('%H:%M:%S')})", flush=True)
     cmd = torchrun(args.nproc, args.recipe, [*resilience_sets(args), f"run.name={name}", *extra])
     env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
-    metrics = Path(args.work) / "runs" / name / "metrics.jsonl"
-    return launch(cmd, timeout=args.launch_timeout, env=env, metrics=metrics, signal_at=signal_at)
-
-
-def collect(args, name: str, launches: list[dict]) -> dict:
-    path = Path(args.work) / "runs" / name / "metrics.jsonl"
-    m = read_metrics(path)
-    return {"name": name, "work": str(path.parent), "launches": launches, "meta": m["meta"][-1] if m["meta"] else None,
-            "train": m["train"], "checkpoint": m["checkpoint"], "checkpoint_start": m["checkpoint_start"],
-            "resume": m["resume"]}
-
-
-def save_runs(out: Path, runs: list[dict], *, done: bool = True):
-    """Adds the runs to OUT/runs.json; once a run is done, deletes its checkpoints (37 GB each for
-    the Gemma recipe: the runs' checkpoints together would fill the disk)."""
-    for r in runs if done else ():
-        shutil.rmtree(Path(r["work"]) / "checkpoints", ignore_errors=True)
+    run_dir = Path(args.work) / "runs" / name
+    launches = [*launches, launch(cmd, timeout=args.launch_timeout, env=env, metrics=run_dir / "metrics.jsonl",
+                                  signal_at=signal_at)]
+    if signal_at is None:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    m = read_metrics(run_dir / "metrics.jsonl")
     path = out / "runs.json"
     known = json.loads(path.read_text()) if path.exists() else {}
-    known.update({r["name"]: r for r in runs})
+    known[name] = {"name": name, "work": str(run_dir), "launches": launches, "meta": m["meta"][-1] if m["meta"] else None,
+                   **{k: m[k] for k in ("train", "checkpoint", "checkpoint_start", "resume")}}
     path.write_text(json.dumps(known, indent=1))
-
-
-def phase_throughput(args, out: Path):
-    """plain, then saving, then signal (SIGTERM after --signal-at steps: the save on a signal, on
-    every GPU) and its restart to the end (the checks' and the load's times). The signal run saves
-    less often than saving: torch 2.11's torchrun SIGKILLs its workers 30 s after forwarding a
-    signal, so the save on the signal must not wait for a background write still in flight."""
-    save_runs(out, [collect(args, "plain", [launch_run(args, "plain", ["checkpoint.interval=0", "checkpoint.at_end=false"])])])
-    save_runs(out, [collect(args, "saving", [launch_run(args, "saving", [f"checkpoint.interval={args.save_every}"])])])
-    every = [f"checkpoint.interval={args.signal_save_every}"]
-    first = launch_run(args, "signal", every, signal_at=args.signal_at)
-    save_runs(out, [collect(args, "signal", [first])], done=False)
-    save_runs(out, [collect(args, "signal", [first, launch_run(args, "signal", every)])])
+    return launches
 
 
 DETERMINISTIC = ["train.deterministic=true", "checkpoint.interval=0", "checkpoint.at_end=false"]  # a signal still saves
 
 
-def phase_cost(args, out: Path):
-    """det-c: det-a's command again, for its tokens/s against plain where the two ran on one machine."""
-    save_runs(out, [collect(args, "det-c", [launch_run(args, "det-c", DETERMINISTIC)])])
-
-
-def phase_determinism(args, out: Path):
-    det = DETERMINISTIC
-    for name in ("det-a", "det-b"):
-        save_runs(out, [collect(args, name, [launch_run(args, name, det)])])
-    first = launch_run(args, "det-sig", det, signal_at=args.signal_at)
-    save_runs(out, [collect(args, "det-sig", [first])], done=False)
-    save_runs(out, [collect(args, "det-sig", [first, launch_run(args, "det-sig", det)])])
+def run_phase(args, out: Path) -> None:
+    """throughput: plain, then saving, then signal (SIGTERM after --signal-at steps: the save on a
+    signal, on every GPU) and its restart to the end (the checks' and the load's times). The signal
+    run saves less often than saving: torch 2.11's torchrun SIGKILLs its workers 30 s after
+    forwarding a signal, so the save on the signal must not wait for a background write still in
+    flight. determinism: det-a, det-b, then det-sig (signalled and resumed), all deterministic."""
+    if args.phase == "throughput":
+        run_once(args, out, "plain", ["checkpoint.interval=0", "checkpoint.at_end=false"])
+        run_once(args, out, "saving", [f"checkpoint.interval={args.save_every}"])
+        name, every = "signal", [f"checkpoint.interval={args.signal_save_every}"]
+    else:
+        run_once(args, out, "det-a", DETERMINISTIC)
+        run_once(args, out, "det-b", DETERMINISTIC)
+        name, every = "det-sig", DETERMINISTIC
+    run_once(args, out, name, every, launches=run_once(args, out, name, every, signal_at=args.signal_at))
 
 
 def tokens_per_s(run: dict, first: int = 1, last: int | None = None) -> float:
@@ -405,80 +433,6 @@ def tokens_per_s(run: dict, first: int = 1, last: int | None = None) -> float:
     recipe = run["meta"]["recipe"]
     tokens = (len(steps) - 1) * recipe["train"]["global_batch_size"] * recipe["model"]["seq_length"]
     return tokens / (run["train"][steps[-1]]["time"] - run["train"][steps[0]]["time"])
-
-
-def resilience_report(out: Path, recipe: str, note: str = "") -> int:
-    runs = json.loads((out / "runs.json").read_text())
-    meta = next(r["meta"] for r in runs.values() if r["meta"])
-    gpu = meta["device_name"]
-    world = meta["layout"]["world"]
-    date = run_day(meta).strftime("%Y%m%d")
-    lines = [f"# Checkpoints, signals and deterministic mode: {recipe}, {world}x {gpu}", "",
-             f"- {versions(meta)}" + (f"; {note}" if note else ""),
-             (f"- tp {meta['layout']['tp']} x dp {meta['layout']['dp']}, distributed optimizer "
-             f"{meta['recipe']['parallel']['distributed_optimizer']}, micro-batch "
-             f"{meta['recipe']['train']['micro_batch_size']}, {meta['layout']['accumulation']} micro-batches per step, "
-             f"seq {meta['recipe']['model']['seq_length']}; {meta['params_total'] / 1e6:.0f}M parameters"),
-             ("- command: `python -m benchmarks resilience --phase throughput|determinism` "
-             "(tokens/s: wall clock from the end of step 1 to the end of the last, saves included)"), ""]
-    summary = {"gpu": gpu, "world": world, "recipe": recipe, "commit": meta.get("commit"), "note": note, "date": date,
-               "runs": {}}
-    if "plain" in runs and "saving" in runs:
-        plain, saving = tokens_per_s(runs["plain"]), tokens_per_s(runs["saving"])
-        summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": saving, "ratio": saving / plain}
-        rows = [["no checkpoint", f"{plain:,.0f}", "1.000"],
-                [f"a checkpoint every {_interval(runs['saving'])} steps", f"{saving:,.0f}", f"{saving / plain:.3f}"]]
-        lines += ["## Background checkpoints", "", "Tokens/s from the end of step 1 to the end of the last, wall clock:",
-                  "", *C.md_table(["run", "tokens/s", "ratio"], rows), ""]
-        lines += _checkpoint_table(runs["saving"])
-    if "signal" in runs:
-        run = runs["signal"]
-        sig, restart = run["launches"][0], run["launches"][-1]
-        last = sig["signalled_at"]
-        saved = [int(k) for k in run["checkpoint"] if last is not None and int(k) > last]
-        signal_saved = bool(saved) and min(saved) == last + 1 and bool(run["resume"].get(str(last + 1)))
-        summary["signal"] = {"signalled_at": last, "saved_step": last + 1 if signal_saved else None,
-                             "exits": [x["exit"] for x in run["launches"]], "resumed_at": list(run["resume"])}
-        lines += ["## A signal", "",
-                  (f"A checkpoint every {_interval(run)} steps; SIGTERM to torchrun after step {last}: checkpoint of "
-                  f"step {last + 1} {'written' if signal_saved else 'NOT written'}; torchrun's exit status "
-                  f"{sig['exit']} (it exits 1 after forwarding a signal); the restart resumed from step(s) "
-                  f"{list(run['resume'])} and exited {restart['exit']}."), ""]
-        lines += _checkpoint_table(run)
-        for k, r in run["resume"].items():
-            lines += [(f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
-                      f"{r['load_s']:.1f} s."), ""]
-    # det-c: a later launch of det-a's command on the machine that ran plain (phase "cost").
-    det = [n for n in ("det-a", "det-b", "det-sig", "det-c") if n in runs]
-    if det:
-        ref = det[0]  # det-a, unless only phase cost ran
-        steps = sorted(runs[ref]["train"], key=int)
-        same = {n: all(runs[n]["train"].get(s, {}).get(k) == runs[ref]["train"][s][k]
-                       for s in steps for k in ("loss", "grad_norm")) for n in det}
-        sig = runs.get("det-sig", {})
-        resumed_at = list(sig.get("resume", {}))
-        summary["determinism"] = {"steps": len(steps), "reference": ref, "bitwise_equal": same,
-                                  "signalled_at": [x["signalled_at"] for x in sig.get("launches", [])],
-                                  "exits": [x["exit"] for x in sig.get("launches", [])], "resumed_at": resumed_at}
-        lines += ["## Deterministic mode (train.deterministic: true)", "",
-                  f"Per-step loss and gradient norm over {len(steps)} steps, compared bit for bit with {ref}:", "",
-                  *C.md_table(["run", f"bitwise equal to {ref}"], [[n, "yes" if same[n] else "NO"] for n in det])]
-        if sig:
-            lines += ["", (f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
-                          f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}.")]
-        if "plain" in runs:
-            d, p = tokens_per_s(runs[det[-1]] if det[-1] == "det-c" else runs[ref]), tokens_per_s(runs["plain"])
-            summary["determinism"].update(tokens_per_s=d, plain_tokens_per_s=p, ratio=d / p)
-            lines += ["", f"Throughput: {d:,.0f} tokens/s against {p:,.0f} without deterministic mode ({d / p:.3f}x)."]
-        lines.append("")
-    for name, r in runs.items():
-        ts = [r["train"][s]["grad_norm"] for s in sorted(r["train"], key=int)[:3]]
-        # One launch: a wall-clock span; a restart's records follow a gap.
-        summary["runs"][name] = {"launches": r["launches"],
-                                 "tokens_per_s": tokens_per_s(r) if len(r["launches"]) == 1 else None, "first_grad_norms": ts}
-    stem = out / f"train_resilience_{C.gpu_slug(gpu)}x{world}_{date}"
-    write(stem, summary, "\n".join(lines))
-    return 0
 
 
 def _checkpoint_table(run: dict) -> list[str]:
@@ -498,37 +452,89 @@ def _checkpoint_table(run: dict) -> list[str]:
     return [*C.md_table(header, rows), ""]
 
 
-def _interval(run: dict) -> int:
-    return run["meta"]["recipe"]["checkpoint"]["interval"]
+def resilience_report(out: Path, recipe: str, note: str = "") -> int:
+    runs = json.loads((out / "runs.json").read_text())
+    meta = next(r["meta"] for r in runs.values() if r["meta"])
+    gpu, world, date = meta["device_name"], meta["layout"]["world"], run_day(meta).strftime("%Y%m%d")
+    lines = [f"# Checkpoints, signals and deterministic mode: {recipe}, {world}x {gpu}", "",
+             f"- {versions(meta)}" + (f"; {note}" if note else ""),
+             (f"- tp {meta['layout']['tp']} x dp {meta['layout']['dp']}, distributed optimizer "
+              f"{meta['recipe']['parallel']['distributed_optimizer']}, micro-batch "
+              f"{meta['recipe']['train']['micro_batch_size']}, {meta['layout']['accumulation']} micro-batches per step, "
+              f"seq {meta['recipe']['model']['seq_length']}; {meta['params_total'] / 1e6:.0f}M parameters"),
+             ("- command: `python -m benchmarks resilience --phase throughput|determinism` "
+              "(tokens/s: wall clock from the end of step 1 to the end of the last, saves included)"), ""]
+    summary = {"gpu": gpu, "world": world, "recipe": recipe, "commit": meta.get("commit"), "note": note, "date": date,
+               "runs": {}}
+    if "plain" in runs and "saving" in runs:
+        plain, saving = tokens_per_s(runs["plain"]), tokens_per_s(runs["saving"])
+        summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": saving, "ratio": saving / plain}
+        rows = [["no checkpoint", f"{plain:,.0f}", "1.000"], [
+            f"a checkpoint every {runs['saving']['meta']['recipe']['checkpoint']['interval']} steps", f"{saving:,.0f}",
+            f"{saving / plain:.3f}"]]
+        lines += ["## Background checkpoints", "", "Tokens/s from the end of step 1 to the end of the last, wall clock:",
+                  "", *C.md_table(["run", "tokens/s", "ratio"], rows), "", *_checkpoint_table(runs["saving"])]
+    if "signal" in runs:
+        run = runs["signal"]
+        sig, restart, last = run["launches"][0], run["launches"][-1], run["launches"][0]["signalled_at"]
+        saved = [int(k) for k in run["checkpoint"] if last is not None and int(k) > last]
+        signal_saved = bool(saved) and min(saved) == last + 1 and bool(run["resume"].get(str(last + 1)))
+        summary["signal"] = {"signalled_at": last, "saved_step": last + 1 if signal_saved else None,
+                             "exits": [x["exit"] for x in run["launches"]], "resumed_at": list(run["resume"])}
+        lines += ["## A signal", "",
+                  (f"A checkpoint every {run['meta']['recipe']['checkpoint']['interval']} steps; SIGTERM to torchrun "
+                   f"after step {last}: checkpoint of step {last + 1} {'written' if signal_saved else 'NOT written'}; "
+                   f"torchrun's exit status {sig['exit']} (it exits 1 after forwarding a signal); the restart resumed "
+                   f"from step(s) {list(run['resume'])} and exited {restart['exit']}."), "", *_checkpoint_table(run)]
+        for k, r in run["resume"].items():
+            lines += [(f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
+                       f"{r['load_s']:.1f} s."), ""]
+    det = [n for n in ("det-a", "det-b", "det-sig") if n in runs]
+    if det:
+        ref = det[0]
+        steps = sorted(runs[ref]["train"], key=int)
+        same = {n: all(runs[n]["train"].get(s, {}).get(k) == runs[ref]["train"][s][k]
+                       for s in steps for k in ("loss", "grad_norm")) for n in det}
+        sig = runs.get("det-sig", {})
+        resumed_at = list(sig.get("resume", {}))
+        summary["determinism"] = {"steps": len(steps), "reference": ref, "bitwise_equal": same,
+                                  "signalled_at": [x["signalled_at"] for x in sig.get("launches", [])],
+                                  "exits": [x["exit"] for x in sig.get("launches", [])], "resumed_at": resumed_at}
+        lines += ["## Deterministic mode (train.deterministic: true)", "",
+                  f"Per-step loss and gradient norm over {len(steps)} steps, compared bit for bit with {ref}:", "",
+                  *C.md_table(["run", f"bitwise equal to {ref}"], [[n, "yes" if same[n] else "NO"] for n in det])]
+        if sig:
+            lines += ["", (f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
+                           f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}.")]
+        if "plain" in runs:
+            d, p = tokens_per_s(runs[ref]), tokens_per_s(runs["plain"])
+            summary["determinism"].update(tokens_per_s=d, plain_tokens_per_s=p, ratio=d / p)
+            lines += ["", f"Throughput: {d:,.0f} tokens/s against {p:,.0f} without deterministic mode ({d / p:.3f}x)."]
+        lines.append("")
+    for name, r in runs.items():
+        ts = [r["train"][s]["grad_norm"] for s in sorted(r["train"], key=int)[:3]]
+        # One launch: a wall-clock span; a restart's records follow a gap.
+        summary["runs"][name] = {"launches": r["launches"],
+                                 "tokens_per_s": tokens_per_s(r) if len(r["launches"]) == 1 else None, "first_grad_norms": ts}
+    write(out / f"train_resilience_{C.gpu_slug(gpu)}x{world}_{date}", summary, "\n".join(lines))
+    return 0
 
 
 def resilience(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks resilience")
-    p.add_argument("--phase", choices=("throughput", "determinism", "cost", "report"), required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/cce_resilience")
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
+    p = launch_parser("resilience", work="/tmp/cce_resilience", recipe="recipes/gemma-2b-owt.yaml", nproc=4,
+                      steps=30, timeout=300)
+    p.add_argument("--phase", choices=("throughput", "determinism", "report"), required=True)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--signal-at", type=int, default=15)
     p.add_argument("--signal-save-every", type=int, default=20)
-    p.add_argument("--launch-timeout", type=float, default=300)
-    p.add_argument("--recipe", default="recipes/gemma-2b-owt.yaml")
-    p.add_argument("--extra", nargs="*", default=[], help="more --set overrides, applied after the script's")
     p.add_argument("--note", default="", help="a line for the report's header (e.g. what the code was)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.phase == "report":
-        return resilience_report(out, args.recipe, args.note)
-    # Prepared once (tokenizer training and tokenization), before any torchrun launch.
-    prep = [sys.executable, "-m", "cce_parallel.train", "--recipe", args.recipe, "--prepare-data",
-            "--set", *resilience_sets(args)]
-    subprocess.run(prep, cwd=ROOT, check=True)
-    {"throughput": phase_throughput, "determinism": phase_determinism, "cost": phase_cost}[args.phase](args, out)
+    if args.phase != "report":
+        prepare_data(args.recipe, resilience_sets(args))
+        run_phase(args, out)
     return resilience_report(out, args.recipe, args.note)
-
-
 
 
 # ---- report: what the memory buys, one file per GPU and date -----------------------------------
@@ -551,8 +557,7 @@ def report_data(sweeps: list[Path], runs: list[Path], warmup: int) -> dict:
         raw = json.loads(path.read_text())
         info = {k: raw.get(k) for k in ("recipe", "gpu", "world")} if isinstance(raw, dict) else {}
         points = [{k: v for k, v in p.items() if k != "meta"} for p in (raw["points"] if isinstance(raw, dict) else raw)]
-        key = (info.get("recipe"), sweep_series(points)[0])
-        entry = merged.setdefault(key, {**info, "files": [], "points": []})
+        entry = merged.setdefault((info.get("recipe"), sweep_series(points)[0]), {**info, "files": [], "points": []})
         entry["files"].append(str(path))
         entry["points"] += points
     for entry in merged.values():

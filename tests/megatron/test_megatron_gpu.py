@@ -17,7 +17,7 @@ the masked per-token losses [b, s], every parameter's gradient, and the paramete
 - fp32 with impl "exact": at most FP32 (fp32 rounding only).
 
 World 2 also measures the peak memory of one step at V = 256,000, TP = 2 for Megatron's path and
-CCE's one-pass and lean paths (the figure: `benchmarks/bench_tp.py --gpt-step`). `-s` prints every measured error.
+CCE's one-pass and lean paths (docs/megatron.md's figure is at this shape). `-s` prints every measured error.
 """
 
 import dataclasses
@@ -156,7 +156,7 @@ def _run_case(setup, impl, device, report):
 
 def _memory_case(device, report):
     """Peak memory of one training step at V = 256,000, TP = 2, per rank, both paths, at the shape of
-    `benchmarks/bench_tp.py --gpt-step` (8,192 tokens, hidden 2304), without the test's fp32 copies
+    docs/megatron.md's figure (8,192 tokens, hidden 2304), without the test's fp32 copies
     of every gradient (they weigh ~1 GB on both paths and hid the difference: a first run at 4,096
     tokens, hidden 1024, with the copies measured CCE at 0.66x Megatron)."""
     from tests.megatron.gpt_setup import Setup, build, init_parallel, make_batches, train_step
