@@ -31,6 +31,7 @@ REPEAT = "h100_20261126_132cdde"  # the same loss code as H100's, another H100
 CBE, GPT2 = "h100_20261126_cbe5f8d", "h100_20261126_tp_gpt2"
 FULL_RUNS = (f"{H100}_trained", f"{REPEAT}_trained", "h100_20261126_abaf303_trained", CBE, f"{H200}_trained")
 TRAIN_TP2DP2, TRAIN_1GPU = "train_compare_h100x4_20261126", "train_compare_h100_20261126"
+TRAIN_GEMMA = "train_compare_h100x4_20261127/train_compare_h100_20261127"  # Gemma 2 2B recipe, DP 4, micro-batch 4
 OURS, MASKED, WEIGHTS = "ours:cce_kahan_full_c", "ours:cce_kahan_full_c/masked", "ours:cce_kahan_full_c/weighted"
 UNFOLDED, BASE = "ours:cce_kahan_full_c/unfolded", "base:cce_kahan_full_c"
 UPSTREAM = "h200_20261127_masked"  # the upstream variants and the A/B against 6465cfc
@@ -139,6 +140,8 @@ def readme_measured() -> str:
     f, tp = loss_facts(), tp_facts()
     runs = {r["label"]: r for r in load(TRAIN_TP2DP2)["runs"]}
     cce, meg = runs["cce_kahan_full_c"], runs["megatron"]
+    gemma = {r["label"].split(" ")[0]: r for r in load(TRAIN_GEMMA)["runs"]}
+    g_cce, g_meg, g_fused = (gemma[k] for k in ("cce_kahan_full_c", "megatron", "megatron_fused"))
     h100, h200 = "one H100, commit 5fb45df", "one H200, commit f353185"
 
     def links(stem):
@@ -163,9 +166,15 @@ def readme_measured() -> str:
          (f"{x(cce['tokens_per_s_median'] / meg['tokens_per_s_median'])} the tokens/s at "
          f"{cce['peak_mem_max'] / 2**30:.2f} against {meg['peak_mem_max'] / 2**30:.2f} GiB peak memory per rank"),
          "4× H100, commit cbe5f8d", f"[{TRAIN_TP2DP2}.md](benchmarks/results/{TRAIN_TP2DP2}.md)"),
+        ("training the Gemma 2 2B recipe at DP 4, micro-batch 4, against megatron's and megatron_fused's loss",
+         (f"{x(g_cce['tokens_per_s_median'] / g_meg['tokens_per_s_median'])} / "
+          f"{x(g_cce['tokens_per_s_median'] / g_fused['tokens_per_s_median'])} the tokens/s at "
+          + " / ".join(f"{r['peak_mem_max'] / 2**30:.1f}" for r in (g_cce, g_meg, g_fused))
+          + " GiB peak memory per rank (ours / megatron / megatron_fused)"),
+         "4× H100, commit 120769b", f"[{TRAIN_GEMMA.split('/')[0]}](benchmarks/results/{TRAIN_GEMMA.split('/')[0]}/README.md)"),
     ]
     lines = [header(f"{H100}_trained", f"{H100}_random", f"{REPEAT}_trained",
-                    f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2),
+                    f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2, TRAIN_GEMMA),
              "| what | result | where | from |", "|---|---|---|---|"]
     return "\n".join(lines + [f"| {' | '.join(r)} |" for r in rows])
 

@@ -292,7 +292,8 @@ def sweep_point(args, impl: str, seq: int, mbs: int) -> dict:
     path = work / "runs" / name / "metrics.jsonl"
     metrics = read_metrics(path) if path.exists() else None
     train = metrics["train"] if metrics else {}
-    point["trained"] = run["exit"] == 0 and len(train) == args.steps
+    # Trained: every step logged. A launch that then fails (e.g. an abort at exit) keeps its exit code.
+    point["trained"] = len(train) == args.steps
     if point["trained"]:
         measured = throughput(train, warmup=min(train))  # the steps after the first
         point.update(tokens_per_s=measured["tokens_per_s_median"], peak_mem_max=measured["peak_mem_max"],
@@ -335,7 +336,7 @@ def sweep_report(args, points: list[dict]) -> None:
     lines = [f"# The largest run each loss layer trains: {args.recipe}, {world}x {gpu}", "",
              f"- {versions(meta)}; tp {meta['layout']['tp']} x dp {meta['layout']['dp']}; loss.softcap null",
              f"- `python -m benchmarks sweep {' '.join(args.argv)}`", ""]
-    rows = [[p["impl"], f"{p['seq']:,}", p["mbs"], "yes" if p["trained"] else p["why"],
+    rows = [[p["impl"], f"{p['seq']:,}", p["mbs"], ("yes" if p.get("exit", 0) == 0 else f"yes, then exit {p['exit']}") if p["trained"] else p["why"],
              f"{p['tokens_per_s']:,.0f}" if p["trained"] else "",
              f"{(p['peak_mem_max'] or 0) / 2**30:.1f}" if p["trained"] else ""] for p in points]
     lines += C.md_table(["loss.impl", "sequence", "micro-batch", "trained", "tokens/s", "peak memory per rank (GiB)"],

@@ -57,3 +57,34 @@ def test_report_merges_sweeps_and_compares_runs(tmp_path):
     assert labels == ["cce_kahan_full_c (plain)", "cce_kahan_full_c (gemma2)"]
     md = (tmp_path / "r.md").read_text()
     assert "| 65,536 | 26,536 · 124.5 |" in md and "| cce_kahan_full_c (gemma2) | 22,045 | 0.896 |" in md
+
+
+def test_sweep_point_counts_a_run_that_logged_every_step_then_failed_as_trained(tmp_path, monkeypatch):
+    """A launch that trains every step and then exits non-zero (an abort at exit, a timeout in the
+    final evaluation) trained: the point says so and keeps the exit; one that stops early did not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    args = train.argparse.Namespace(work=str(tmp_path), nproc=4, accumulation=1, steps=2, recipe="r.yaml",
+                                    launch_timeout=10, extra=[])
+
+    def fake_launch(steps):
+        def launch(cmd, *, timeout, log, **kw):
+            run_dir = tmp_path / "runs" / next(s.split("=", 1)[1] for s in cmd if s.startswith("run.name="))
+            run_dir.mkdir(parents=True, exist_ok=True)
+            rows = [{"kind": "meta", "step": 0, "device_name": "NVIDIA H100"}]
+            rows += [{"kind": "train", "step": s, "loss": 1.0, "step_time": 1.0, "tokens_per_s": 100.0 * s,
+                      "peak_mem_per_rank": [2**30] * 4} for s in range(1, steps + 1)]
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            log.write_text("terminate called without an active exception\n")
+            return {"exit": 1, "seconds": 1.0}
+        return launch
+
+    monkeypatch.setattr(train, "launch", fake_launch(2))
+    point = train.sweep_point(args, "megatron", 32768, 1)
+    assert (point["trained"], point["exit"], point["tokens_per_s"]) == (True, 1, 200.0)
+    monkeypatch.setattr(train, "launch", fake_launch(1))
+    point = train.sweep_point(args, "megatron", 65536, 1)
+    assert not point["trained"] and point["why"].startswith("exit 1")
