@@ -3,8 +3,8 @@
     loss     one GPU: loss + gradients of every peer side by side (``loss --help``)
     tp       TP on every visible GPU against Megatron's output path: one torchrun launch of
              bench_tp.py per TP size (``--sizes 1,2,4``, ``--launch-timeout S``), then one merged report
-    compare, sweep, resilience, report   the train job under torchrun (train.py): loss layers side by side,
-             the largest run each loss.impl trains, what checkpoints / signals / determinism cost
+    compare, sweep, report   the train job under torchrun (train.py): loss layers side by side, the
+             largest run each loss.impl trains, one report of both
     render   no GPU: merge result files of one kind and rewrite their .md; with
              ``--docs [--check]``, rewrite (or check) the generated blocks of README.md and docs/*.md
     baseline REF DIR   write cce_parallel as it is at git REF to DIR/cce_parallel_<sha>, for
@@ -111,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"loss": bench_loss.main, "tp": tp, "render": render, "baseline": baseline}
     if argv[0] in commands:
         return commands[argv[0]](argv[1:])
-    if argv[0] in ("compare", "sweep", "resilience", "report"):
+    if argv[0] in ("compare", "sweep", "report"):
         import train
 
         return train.main(argv)
-    raise SystemExit(f"unknown command {argv[0]!r}; known: loss, tp, compare, sweep, resilience, report, render, baseline")
+    raise SystemExit(f"unknown command {argv[0]!r}; known: loss, tp, compare, sweep, report, render, baseline")
 
 
 if __name__ == "__main__":
