@@ -25,7 +25,7 @@ import _common as C
 import torch
 import torch.nn.functional as F
 
-DEFAULT_METHODS = "eager,compile,liger,cutce,torch_lce,ours"
+DEFAULT_METHODS = "eager,compile,liger,cutce,ours"
 FLOP_CONVENTION = "forward+backward: 6·N·V·D FLOPs (logits, ∇E, ∇C), no credit for recomputing the logits"
 MEMORY_CONVENTION = (
     "peak torch.cuda.max_memory_allocated above memory_allocated just before the call, "
@@ -107,21 +107,6 @@ def _cutce(mod):
     return lambda: lambda e, c, t: mod.linear_cross_entropy(e, c, t, impl="cce", reduction="mean")
 
 
-def _torch_lce() -> Method:
-    fn = getattr(F, "linear_cross_entropy", None)
-    if fn is None:
-        return Method("torch_lce", "F.linear_cross_entropy",
-                      unavailable=f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
-    import inspect
-
-    kwargs, mode = {"reduction": "mean"}, "reference path"
-    opts_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
-    if opts_cls is not None and "options" in inspect.signature(fn).parameters:
-        kwargs["options"], mode = opts_cls(), "chunked, LinearCrossEntropyOptions()"  # its "auto" policy
-    return Method("torch_lce", f"F.linear_cross_entropy ({mode})", lambda: lambda e, c, t: fn(e, c, t, **kwargs),
-                  info={"signature": str(inspect.signature(fn)), "mode": mode})
-
-
 def _ours(key: str, out: list, baseline) -> None:
     """`ours[:<impl>][@<budget>][/<upstream>]` (or `base...`, the --baseline package) into `out`."""
     spec, _, upstream = key.partition("/")
@@ -187,12 +172,10 @@ def build_methods(keys: list[str], baseline=None) -> list[Method]:
             out.append(_peer("liger", "liger-kernel FLCE", "liger_kernel.transformers", "liger-kernel", _liger))
         elif key == "cutce":
             out.append(_peer("cutce", "cut-cross-entropy (cce)", "cut_cross_entropy", "cut-cross-entropy", _cutce))
-        elif key == "torch_lce":
-            out.append(_torch_lce())
         elif key.partition("/")[0].partition(":")[0] in ("ours", "base"):
             _ours(key, out, baseline)
         else:
-            raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, "
+            raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, "
                              "ours, ours:<impl>, base, base:<impl>")
     return out
 
@@ -364,7 +347,7 @@ def render(files: list[str], out: str | None, tag: str | None) -> int:
 
 
 def parse_args(argv=None):
-    methods_help = ("eager, compile, liger, cutce, torch_lce, "
+    methods_help = ("eager, compile, liger, cutce, "
                     "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
     p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
     p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD)")
@@ -372,7 +355,7 @@ def parse_args(argv=None):
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="the cce_parallel of base[...] methods: a folder from `python -m benchmarks baseline`")
     smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "tokens": 64,
-             "warmup": 1, "repeats": 3, "methods": "eager,torch_lce,ours:torch"}
+             "warmup": 1, "repeats": 3, "methods": "eager,ours:torch"}
     return C.parse_run_args(p, argv, smoke)
 
 
