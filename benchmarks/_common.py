@@ -618,14 +618,6 @@ def write_report(stem: Path, data: dict, markdown: str) -> list[str]:
     return [str(path), str(stem.with_suffix(".md"))]
 
 
-def merge_results(files: list[str], case_key: Callable) -> tuple[list[dict], dict]:
-    """The result files, and one result of their cases (a later file's case wins where case_key
-    gives the same) with the first file's meta."""
-    datas = [json.loads(Path(f).read_text()) for f in files]
-    index = {case_key(cs): cs for d in datas for cs in d["cases"]}
-    return datas, {"meta": dict(datas[0]["meta"]), "cases": list(index.values())}
-
-
 def get(r, *path):
     """r[path[0]][path[1]]... as a float (a non-finite one stored as its name read back), None where
     any step is missing."""

@@ -246,7 +246,7 @@ def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: in
     C.free_memory(device)
 
 
-# ---- Reports: Markdown, from the JSON alone (so `render` can redo them) --------------------------
+# ---- Reports: Markdown, from the JSON alone ------------------------------------------------------
 
 
 def over_base_paired(cs: dict, meta: dict) -> list[tuple[str, str, float]]:
@@ -271,10 +271,7 @@ def render_markdown(data: dict) -> str:
     lines = ["# Loss + gradient on one GPU: cce_parallel next to its peers", "",
              (f"- device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
               f"CUDA {meta.get('cuda')}, Python {meta.get('python')}")]
-    if meta.get("sources"):
-        lines.append(f"- merged from: {'; '.join(meta['sources'])} (each file's command is in its own report)")
-    else:
-        lines += [f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta['command']}`"]
+    lines += [f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta['command']}`"]
     sq = data.get("square_matmul")
     if sq and "tflops" in sq:
         lines.append(f"- cuBLAS bf16 {sq['n']}³ matmul: {sq['tflops']:.0f} TFLOP/s")
@@ -326,21 +323,6 @@ def render_markdown(data: dict) -> str:
     if data.get("aborted"):
         lines += [f"**run aborted:** {data['aborted']}", ""]
     return "\n".join(lines) + "\n"
-
-
-def render(files: list[str], out: str | None, tag: str | None) -> int:
-    """Merge result files (later ones win for the same case) and write their .json/.md."""
-    datas, merged = C.merge_results(files, lambda cs: (cs["kind"], cs["shape"], cs["N"], cs["regime"]))
-    merged["meta"]["sources"] = [f"{Path(f).name} (commit {d['meta'].get('git_commit')}, {d['meta'].get('date')})"
-                                 for f, d in zip(files, datas)]
-    for d in datas:
-        if d.get("square_matmul"):
-            merged["square_matmul"] = d["square_matmul"]
-        for k in ("repeats", "warmup", "rounds"):
-            merged["meta"].setdefault(k, d["meta"].get(k))
-    stem = C.out_stem(Path(out) if out else Path(files[0]).parent, merged["meta"], tag or "merged")
-    print("[bench_loss] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
-    return 0
 
 
 # ---- Main ----------------------------------------------------------------------------------------

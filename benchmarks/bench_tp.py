@@ -4,9 +4,8 @@ The same global tokens at every TP size: e [s, b, D], a [V, D] classifier in equ
 shards, targets [s, b], in groups of t consecutive ranks; methods ``megatron``, ``megatron_fused``
 and ``ours:<impl>[@<budget>]`` (``tp_group``). benchmarks/README.md says what is measured.
 
-    python -m benchmarks tp --sizes 1,2,4 [options]   # a torchrun launch of this file per size, one report
-    torchrun --nproc_per_node 4 benchmarks/bench_tp.py --tp 1,2,4 --out DIR --commit SHA
-    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --cpu-smoke   # gloo: the plumbing
+    torchrun --nproc_per_node 4 -m benchmarks tp --tp 1,2,4 --out DIR --commit SHA
+    torchrun --nproc_per_node 2 -m benchmarks tp --cpu-smoke   # gloo: the plumbing
 """
 
 from __future__ import annotations
@@ -57,6 +56,8 @@ class Dist:
 
 
 def init_dist(cpu: bool, timeout_s: float) -> Dist:
+    if "RANK" not in os.environ:
+        raise SystemExit("launch it with torchrun: torchrun --nproc_per_node N -m benchmarks tp [options]")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = _dt.timedelta(seconds=timeout_s)
     if cpu:
@@ -342,7 +343,7 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
         C.free_memory(d.device)
 
 
-# ---- Reports (from the JSON alone, so `render` can redo them) ------------------------------------
+# ---- Reports: Markdown, from the JSON alone ------------------------------------------------------
 
 
 def _ms(r: dict | None):
@@ -374,21 +375,17 @@ def render_markdown(data: dict) -> str:
              (f"- device: {meta['world']} × {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
               f"CUDA {meta.get('cuda')}, Python {meta.get('python')}; "
               f"megatron-core {meta.get('packages', {}).get('megatron-core')}"),
-             f"- commit: `{meta['git_commit']}`; date: {meta['date']}"]
-    lines += [f"- command: `{cmd}`" for cmd in meta.get("launches") or [meta.get("launch")]]
-    if meta.get("sources"):
-        lines.append(f"- merged from: {', '.join(meta['sources'])}")
-    lines += [
-        (f"- shape: N = {cfg.get('N')} tokens (s = {cfg.get('s')}, b = {cfg.get('b')}, [s, b, D] layout), "
-         f"V = {cfg.get('V')}, D = {cfg.get('D')}, {cfg.get('dtype')}; the same global tokens at every TP size"),
-        ("- TP groups: consecutive ranks; every group runs the same work; times are TP group 0's slowest "
-         f"rank, memory the largest over all {meta['world']} ranks; backend {meta.get('backend')}"),
-        f"- timing: {TIME_CONVENTION} (warm-up {meta.get('warmup')}, repeats {meta.get('repeats')})",
-        f"- memory: {MEMORY_CONVENTION}", f"- FLOPs: {FLOP_CONVENTION}",
-        ("- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference on the full classifier (∇e: this "
-         "rank's rows under SP; ∇c: this rank's shard), largest over ranks"),
-        f"- env: {', '.join(f'{k}={v}' for k, v in sorted(meta.get('env', {}).items())) or 'none recorded'}",
-        "", "Regimes:"]
+             f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta.get('launch')}`",
+             (f"- shape: N = {cfg.get('N')} tokens (s = {cfg.get('s')}, b = {cfg.get('b')}, [s, b, D] layout), "
+              f"V = {cfg.get('V')}, D = {cfg.get('D')}, {cfg.get('dtype')}; the same global tokens at every TP size"),
+             ("- TP groups: consecutive ranks; every group runs the same work; times are TP group 0's slowest "
+              f"rank, memory the largest over all {meta['world']} ranks; backend {meta.get('backend')}"),
+             f"- timing: {TIME_CONVENTION} (warm-up {meta.get('warmup')}, repeats {meta.get('repeats')})",
+             f"- memory: {MEMORY_CONVENTION}", f"- FLOPs: {FLOP_CONVENTION}",
+             ("- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference on the full classifier (∇e: this "
+              "rank's rows under SP; ∇c: this rank's shard), largest over ranks"),
+             f"- env: {', '.join(f'{k}={v}' for k, v in sorted(meta.get('env', {}).items())) or 'none recorded'}",
+             "", "Regimes:"]
     lines += [f"- **{r}**: {text}" for r, text in meta.get("regimes", {}).items()]
     for regime in dict.fromkeys(cs["regime"] for cs in data["cases"]):
         cases = sorted([cs for cs in data["cases"] if cs["regime"] == regime], key=lambda x: (x["tp"], x["sp"]))
@@ -422,22 +419,6 @@ def render_markdown(data: dict) -> str:
     if data.get("failures"):
         lines += ["", "**Failures:**"] + [f"- {f}" for f in data["failures"]]
     return "\n".join(lines) + "\n"
-
-
-def render(files: list[str], out: str | None, tag: str | None) -> int:
-    """Merge per-launch result files (later ones win for the same case) into one report."""
-    datas, merged = C.merge_results(files, lambda cs: (cs["regime"], cs["tp"], cs["sp"]))
-    meta = merged["meta"]
-    meta["sources"] = [Path(f).name for f in files]
-    meta["launches"] = list(dict.fromkeys(d["meta"].get("launch") for d in datas if d["meta"].get("launch")))
-    meta["tp_sizes"] = sorted({t for d in datas for t in d["meta"].get("tp_sizes", [])})
-    if any(d.get("failures") for d in datas):
-        merged["failures"] = [f for d in datas for f in d.get("failures", [])]
-    if any(d.get("aborted") for d in datas):
-        merged["aborted"] = "; ".join(d["aborted"] for d in datas if d.get("aborted"))
-    stem = C.out_stem(Path(out) if out else Path(files[0]).parent, meta, "tp" + (f"_{tag}" if tag else ""))
-    print("[bench_tp] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
-    return 0
 
 
 # ---- Main ----------------------------------------------------------------------------------------
@@ -485,8 +466,8 @@ def main(argv=None) -> int:
     meta = C.run_metadata(d.device, args.commit)
     meta.update({
         "world": d.world, "backend": d.backend,
-        "launch": f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', d.world)} benchmarks/bench_tp.py "
-                  + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "launch": f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', d.world)} -m benchmarks tp "
+                  + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
         "tp_sizes": tp_sizes, "sp": args.sp_list, "warmup": args.warmup, "repeats": args.repeats,
         "rounds": args.rounds, "config": {"N": shape.N, "s": args.seq, "b": args.batch, "V": V, "D": D,
                                           "dtype": args.dtype, "shape": args.shape},
