@@ -311,7 +311,7 @@ def render_markdown(data: dict) -> str:
             rows.append([r.get("label", k), C.fmt_num(get(r, "fwd_bwd", "median_ms"), ".2f"),
                          C.fmt_num(get(r, "fwd_bwd", "vs_compile_paired"), ".3f"),
                          C.fmt_mib(get(r, "fwd_bwd_mem_bytes")), C.fmt_num(get(r, "fwd_bwd_tflops"), ".0f"),
-                         *(C.fmt_err(get(r, f"{x}_rel_err")) for x in ("loss", "grad_e", "grad_c")), status])
+                         *(C.fmt_num(get(r, f"{x}_rel_err"), ".1e") for x in ("loss", "grad_e", "grad_c")), status])
         lines += [f"### {cs['shape']} (N={cs['N']}, V={cs['V']}, D={cs['D']}), {cs['regime']}", "",
                   " · ".join(head), "",
                   *C.md_table(["method", "fwd+bwd ms", "fwd+bwd ×compile, paired", "fwd+bwd MiB", "fwd+bwd TFLOP/s",
@@ -385,8 +385,8 @@ def main(argv=None) -> int:
             for r in data["cases"][-1]["methods"].values():
                 print(f"  {r['key']:<28} {r['status']:<6} f+b {C.fmt_num(C.get(r, 'fwd_bwd', 'median_ms'), '.2f')} ms"
                       f"  ×compile {C.fmt_num(C.get(r, 'fwd_bwd', 'vs_compile_paired'), '.3f')}"
-                      f"  {C.fmt_mib(r.get('fwd_bwd_mem_bytes'))} MiB  dE {C.fmt_err(C.get(r, 'grad_e_rel_err'))}"
-                      f"  dC {C.fmt_err(C.get(r, 'grad_c_rel_err'))}  {r.get('error', '')[:100]}", flush=True)
+                      f"  {C.fmt_mib(r.get('fwd_bwd_mem_bytes'))} MiB  dE {C.fmt_num(C.get(r, 'grad_e_rel_err'), '.1e')}"
+                      f"  dC {C.fmt_num(C.get(r, 'grad_c_rel_err'), '.1e')}  {r.get('error', '')[:100]}", flush=True)
             data["elapsed_s"] = time.monotonic() - start
             C.write_report(stem, data, render_markdown(data))  # partial results survive a killed run
 

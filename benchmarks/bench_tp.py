@@ -405,7 +405,7 @@ def render_markdown(data: dict) -> str:
                              C.fmt_mib(C.get(r, "mem_bytes")), C.fmt_mib(cs["lower_bound_bytes"]),
                              C.fmt_num(mem_ratio(cs, key) if ours else None, ".2f"),
                              C.fmt_num(mem_ratio(cs, key, "megatron_fused") if ours else None, ".2f"),
-                             *(C.fmt_err(C.get(r, f"{x}_rel_err")) for x in ("loss", "grad_e", "grad_c")), status])
+                             *(C.fmt_num(C.get(r, f"{x}_rel_err"), ".1e") for x in ("loss", "grad_e", "grad_c")), status])
         lines += ["", f"## {regime}", "",
                   (f"softmax entries ≥ 2^-12: {C.fmt_num(100 * (C.get(sm, 'frac_ge_eps') or 0), '.4f')} % "
                    f"({C.fmt_num(C.get(sm, 'entries_ge_eps_per_row'), '.1f')} per row) · median p(target) "
