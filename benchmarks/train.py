@@ -6,17 +6,12 @@
                 does not train: the largest each one trains
     report      sweeps and one compare setting in one report (JSON, Markdown, PNG with matplotlib)
 
-    python -m benchmarks compare --out OUT [--recipe R --steps 300 --gbs 64 --mbs 8 --extra K=V ...]
-    python -m benchmarks compare --out OUT --runs OUT/gpt2-small-owt-cce_kahan_full_c OUT/gpt2-small-owt-megatron
-    python -m benchmarks sweep --out OUT --seq 2048 --mbs 4 8 12 16 24 --tag mbs
-
 benchmarks/README.md gives each one's options, what it measures and its CPU smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import math
@@ -50,32 +45,22 @@ def torchrun(nproc: int, recipe: str, sets: list[str]) -> list[str]:
             "-m", "cce_parallel.train", "--recipe", recipe, "--set", *sets]
 
 
-def prepare_data(recipe: str, sets: list[str]) -> None:
-    """Tokenizer training and tokenization, once, before any torchrun launch."""
-    cmd = [sys.executable, "-m", "cce_parallel.train", "--recipe", recipe, "--prepare-data", "--set", *sets]
-    subprocess.run(cmd, cwd=ROOT, check=True)
-
-
 def launch(cmd: list[str], *, timeout: float, log: Path) -> dict:
     """One launch, output to `log`, its process group SIGKILLed after `timeout` s (exit "timeout").
     Returns {exit, seconds}."""
     start = time.monotonic()
-    status = None
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while proc.poll() is None:
-                if time.monotonic() - start > timeout:
-                    status = "timeout"
-                    break
-                time.sleep(0.2)
+            status = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status = "timeout"
         finally:
             if proc.poll() is None:  # the workers too
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return {"exit": status or proc.returncode, "seconds": time.monotonic() - start}
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {"exit": status, "seconds": time.monotonic() - start}
 
 
 def throughput(train: dict, warmup: int) -> dict:
@@ -88,16 +73,6 @@ def throughput(train: dict, warmup: int) -> dict:
             "step_time_ms_median": 1000 * statistics.median(r["step_time"] for r in timed),
             "mfu_median": statistics.median(mfus) if mfus else None,
             "peak_mem_per_rank": peaks[-1] if peaks else None, "peak_mem_max": max(peaks[-1]) if peaks else None}
-
-
-def run_day(meta: dict) -> _dt.date:
-    """The day the run started (not the day of rendering)."""
-    return _dt.datetime.fromtimestamp(meta["time"], tz=_dt.timezone.utc).date()
-
-
-def versions(meta: dict) -> str:
-    return (f"commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
-            f"{run_day(meta).isoformat()}")
 
 
 def write(stem: Path, data: dict, markdown: str) -> None:
@@ -210,7 +185,8 @@ def compare_launch(args) -> tuple[list[Path], int]:
             f"optim.warmup_steps={args.lr_warmup}", "eval.interval=100", "eval.iters=4", "checkpoint.interval=0",
             "checkpoint.at_end=false", "checkpoint.resume=never", "logging.interval=10", "logging.wandb=disabled",
             *args.extra]
-    prepare_data(args.recipe, sets)
+    subprocess.run([sys.executable, "-m", "cce_parallel.train", "--recipe", args.recipe, "--prepare-data", "--set",
+                    *sets], cwd=ROOT, check=True)  # tokenizer and tokens, once, before any launch
     rc, runs = 0, []
     for impl in args.impls:
         name = f"{Path(args.recipe).stem}-{impl}"
@@ -314,7 +290,8 @@ def sweep_points(args) -> list[dict]:
 
 def sweep_report(args, points: list[dict]) -> None:
     meta = next(p["meta"] for p in points if p.get("meta"))
-    gpu, world, day = meta["device_name"], meta["layout"]["world"], run_day(meta)
+    gpu, world = meta["device_name"], meta["layout"]["world"]
+    day = _dt.datetime.fromtimestamp(meta["time"], tz=_dt.timezone.utc).date()  # the run's, not the report's
     largest = {}
     for p in points:
         best = largest.get(p["impl"])
@@ -323,7 +300,8 @@ def sweep_report(args, points: list[dict]) -> None:
     first = args.impls[0]
     ref = largest.get(first)
     lines = [f"# The largest run each loss layer trains: {args.recipe}, {world}x {gpu}", "",
-             f"- {versions(meta)}; tp {meta['layout']['tp']} x dp {meta['layout']['dp']}; loss.softcap null",
+             (f"- commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
+              f"{day.isoformat()}; tp {meta['layout']['tp']} x dp {meta['layout']['dp']}; loss.softcap null"),
              f"- `python -m benchmarks sweep {' '.join(args.argv)}`", ""]
     rows = [[p["impl"], f"{p['seq']:,}", p["mbs"], "yes" if p["trained"] else p["why"],
              f"{p['tokens_per_s']:,.0f}" if p["trained"] else "",
