@@ -10,6 +10,7 @@ and ``ours:<impl>[@<budget>]`` (``tp_group``). benchmarks/README.md says what is
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import shlex
@@ -27,6 +28,7 @@ import _common as C
 import torch
 import torch.distributed as dist
 
+MEGATRON = ("megatron", "megatron_fused")
 DEFAULT_METHODS = "megatron,megatron_fused,ours:cce,ours:cce_kahan_full_c,ours:cce_kahan_full_c@lean"
 MEMORY_CONVENTION = (
     "per rank: peak torch.cuda.max_memory_allocated above memory_allocated just before the call, "
@@ -80,18 +82,6 @@ def make_tp_group(d: Dist, t: int):
     return mine
 
 
-def any_rank(flag: bool, d: Dist) -> bool:
-    x = torch.tensor([1 if flag else 0], dtype=torch.int32, device=d.device)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return bool(x.item())
-
-
-def gather_objects(obj, d: Dist) -> list:
-    out = [None] * d.world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 # ---- Methods -------------------------------------------------------------------------------------
 
 
@@ -129,7 +119,7 @@ def import_megatron():
 def build_methods(keys: list[str], mcore, mcore_err) -> list[Method]:
     out: list[Method] = []
     for key in keys:
-        if key in ("megatron", "megatron_fused"):
+        if key in MEGATRON:
             fused = key == "megatron_fused"
             label = f"Megatron-core {C.pkg_version('megatron-core')}: ColumnParallelLinear + " + (
                 "fused_vocab_parallel_cross_entropy" if fused else "vocab_parallel_cross_entropy")
@@ -309,7 +299,9 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
                         entry["_mine"] = exc.result
                         raise
                     entry["_mine"] = mine
-                    if not any_rank(fn is None, d):  # timed only where every rank has it
+                    failed = torch.tensor([int(fn is None)], dtype=torch.int32, device=d.device)
+                    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+                    if not failed.item():  # timed only where every rank has it
                         alive.append((mine, fn))
                 t1 = time.perf_counter()
                 # Every rank runs the same sequence (collectives must meet).
@@ -331,7 +323,8 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
                 entry = entries[m.key]
                 mine = entry.pop("_mine", None)
                 if mine is not None:
-                    per_rank = gather_objects(mine, d)
+                    per_rank = [None] * d.world
+                    dist.all_gather_object(per_rank, mine)
                     entry.update(combine(per_rank, t))
                     entry["wall_s"] = max(r.get("wall_s", 0.0) for r in per_rank)
                 if d.lead:
@@ -350,23 +343,8 @@ def _ms(r: dict | None):
     return C.get(r, "fwd_bwd", "median_ms") if r and r.get("status") == "ok" else None
 
 
-def ratios(data: dict, case: dict, key: str, baseline: str = "megatron"):
-    """(`baseline`'s time / this time at the same TP and SP, our TP=1 time / this time)."""
-    ms = _ms(case["methods"].get(key))
-    if ms is None:
-        return None, None
-    mega = _ms(case["methods"].get(baseline)) if baseline != key else None
-    base_case = next((cs for cs in data["cases"] if (cs["regime"], cs["tp"], cs["sp"]) == (case["regime"], 1, False)),
-                     None)
-    base = _ms(base_case["methods"].get(key)) if base_case else None
-    return (mega / ms if mega else None), (base / ms if base else None)
-
-
-def mem_ratio(case: dict, key: str, baseline: str = "megatron"):
-    """This method's memory per rank / `baseline`'s at the same TP and SP."""
-    mem = C.get(case["methods"].get(key), "mem_bytes")
-    mega = C.get(case["methods"].get(baseline), "mem_bytes") if baseline != key else None
-    return mem / mega if mem and mega else None
+def _over(a, b):
+    return a / b if a and b else None
 
 
 def render_markdown(data: dict) -> str:
@@ -390,21 +368,21 @@ def render_markdown(data: dict) -> str:
     for regime in dict.fromkeys(cs["regime"] for cs in data["cases"]):
         cases = sorted([cs for cs in data["cases"] if cs["regime"] == regime], key=lambda x: (x["tp"], x["sp"]))
         sm, rows = cases[0].get("softmax") or {}, []
+        tp1 = next((cs["methods"] for cs in cases if (cs["tp"], cs["sp"]) == (1, False)), {})
         for cs in cases:
             for key, r in cs["methods"].items():
-                ours = key.startswith("ours:")
-                vs_mega, vs_tp1 = ratios(data, cs, key)
-                vs_fused, _ = ratios(data, cs, key, "megatron_fused")
+                ours, ms, mega = key.startswith("ours:"), _ms(r), [cs["methods"].get(k) for k in MEGATRON]
+                # × Megatron (fused): its time over ours, ours' memory over its; × own TP=1: that time over this
+                vs = [C.fmt_num(_over(_ms(m), ms), ".2f") if ours else "" for m in mega]
+                vs_mem = [C.fmt_num(_over(C.get(r, "mem_bytes"), C.get(m, "mem_bytes")) if ours else None, ".2f")
+                          for m in mega]
                 status = r.get("status", "?")
                 if status != "ok":
                     status = " ".join(x for x in (f"{status}:", r.get("stage"), (r.get("error") or "")[:90]) if x)
                 rows.append([cs["tp"], "on" if cs["sp"] else "off", r.get("label", key),
-                             C.fmt_num(_ms(r) if status == "ok" else C.get(r, "fwd_bwd", "median_ms"), ".2f"),
-                             C.fmt_num(C.get(r, "tflops"), ".0f"), C.fmt_num(vs_mega, ".2f") if ours else "",
-                             C.fmt_num(vs_fused, ".2f") if ours else "", C.fmt_num(vs_tp1, ".2f"),
-                             C.fmt_mib(C.get(r, "mem_bytes")), C.fmt_mib(cs["lower_bound_bytes"]),
-                             C.fmt_num(mem_ratio(cs, key) if ours else None, ".2f"),
-                             C.fmt_num(mem_ratio(cs, key, "megatron_fused") if ours else None, ".2f"),
+                             C.fmt_num(ms if status == "ok" else C.get(r, "fwd_bwd", "median_ms"), ".2f"),
+                             C.fmt_num(C.get(r, "tflops"), ".0f"), *vs, C.fmt_num(_over(_ms(tp1.get(key)), ms), ".2f"),
+                             C.fmt_mib(C.get(r, "mem_bytes")), C.fmt_mib(cs["lower_bound_bytes"]), *vs_mem,
                              *(C.fmt_num(C.get(r, f"{x}_rel_err"), ".1e") for x in ("loss", "grad_e", "grad_c")), status])
         lines += ["", f"## {regime}", "",
                   (f"softmax entries ≥ 2^-12: {C.fmt_num(100 * (C.get(sm, 'frac_ge_eps') or 0), '.4f')} % "
@@ -513,11 +491,9 @@ def main(argv=None) -> int:
             print("[bench_tp] FAILURES:\n  " + "\n  ".join(fails), file=sys.stderr, flush=True)
             rc = rc or 1
     if rc in (0, 1):
-        try:
+        with contextlib.suppress(Exception):  # shutting down anyway
             dist.barrier()
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001, S110 - shutting down anyway
-            pass
     return rc
 
 

@@ -70,8 +70,7 @@ def over_mean(stem: str, key: str = MASKED) -> dict:
     """{shape: ours with an upstream variant (Megatron's mask by default) over ours with the plain mean, paired}."""
     import bench_loss
 
-    meta = load(stem)["meta"]
-    cs = cases(stem)
+    meta, cs = load(stem)["meta"], cases(stem)
     return {s: {k: r for k, _, r in bench_loss.over_base_paired(cs[s], meta)}[key] for s in SHAPES}
 
 
@@ -316,19 +315,16 @@ def performance_loss() -> str:
     rows.append((("ours, per-token random weights (the lean path after the first calls; H200, commit "
                  f"{load(f'{WEIGHTED}_trained')['meta']['git_commit'][:7]}, `{WEIGHTED}_trained.md` / `_random.md`)"),
                  [cell(wtr[s], wrd[s], WEIGHTS) for s in SHAPES]))
-    lines = [header(f"{H100}_trained", f"{H100}_random", f"{WEIGHTED}_trained", f"{WEIGHTED}_random"),
-             "| fwd+bwd ms (peak MiB above inputs), trained data (random data) | " + " | ".join(SHAPES.values()) + " |",
-             "|---|---|---|---|---|"]
-    return "\n".join(lines + [f"| {label} | {' | '.join(cells)} |" for label, cells in rows])
+    return "\n".join([header(f"{H100}_trained", f"{H100}_random", f"{WEIGHTED}_trained", f"{WEIGHTED}_random"),
+                      *C.md_table(["fwd+bwd ms (peak MiB above inputs), trained data (random data)", *SHAPES.values()],
+                                  [[label, *cells] for label, cells in rows])])
 
 
 def train_table(stem: str, memory: str) -> str:
-    lines = [header(stem), f"| loss layer | tokens/s | {memory} | last-20 loss | val ppl (step 200) |",
-             "|---|---|---|---|---|"]
-    for r in load(stem)["runs"]:
-        lines.append(f"| `{r['label']}` | {r['tokens_per_s_median']:,.0f} | {r['peak_mem_max'] / 2**30:.2f} GiB | "
-                     f"{r['final_loss_mean20']:.3f} | {r['final_val_ppl']:.1f} |")
     runs, cmp = {r["label"]: r for r in load(stem)["runs"]}, load(stem)["comparisons"][0]["losses"]
+    lines = [header(stem), *C.md_table(["loss layer", "tokens/s", memory, "last-20 loss", "val ppl (step 200)"], [
+        [f"`{r['label']}`", f"{r['tokens_per_s_median']:,.0f}", f"{r['peak_mem_max'] / 2**30:.2f} GiB",
+         f"{r['final_loss_mean20']:.3f}", f"{r['final_val_ppl']:.1f}"] for r in load(stem)["runs"]])]
     a, b = runs["cce_kahan_full_c"], runs["megatron"]
     first = "are identical" if cmp["first_step_diff"] == 0 else f"agree to {abs(cmp['first_step_diff']):.0e}".replace("e-0", "e-")
     return "\n".join(lines + ["", wrap(
