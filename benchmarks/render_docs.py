@@ -282,7 +282,7 @@ def performance_mask() -> str:
         f"3.5 mini (random {xs(over_mean(f'{H200}_random').values(), 3)}; per-round ratios, commit f353185).")])
 
 
-def performance_dc_first() -> str:
+def performance_floor() -> str:
     ab, floor_st = "h100_20261125_ab", f"{H200}_trained"
     t, meta = [lst(col(ab, k), "{:.1f}".format) for k in (OURS, "ours:cce", BASE, "base:cce")], load(ab)["meta"]
     return "\n".join([header(floor_st, ab), wrap(
@@ -446,31 +446,20 @@ def megatron_memory() -> str:
         f"{meg['step_ms']:.1f} ms (`benchmarks/results/{stem}.md`).")])
 
 
-BLOCKS = {
-    "readme-intro": readme_intro,
-    "readme-measured": readme_measured,
-    "performance-short": performance_short,
-    "performance-vs-compile": performance_vs_compile,
-    "performance-runs": performance_runs,
-    "performance-tp": performance_tp,
-    "performance-loss": performance_loss,
-    "performance-upstream": performance_upstream,
-    "performance-mask": performance_mask,
-    "performance-floor": performance_dc_first,
-    "performance-train-tp2dp2": lambda: train_table(TRAIN_TP2DP2, "peak memory per rank"),
-    "performance-train-1gpu": lambda: train_table(TRAIN_1GPU, "peak memory"),
-    "megatron-memory": megatron_memory,
-    "accuracy-short": accuracy_short,
-    "accuracy-bench": accuracy_bench,
-    "training-gemma2": training_gemma2,
-    "internals-budgets": internals_budgets,
-    "training-determinism": training_determinism,
-}
+def performance_train_tp2dp2() -> str:
+    return train_table(TRAIN_TP2DP2, "peak memory per rank")
+
+
+def performance_train_1gpu() -> str:
+    return train_table(TRAIN_1GPU, "peak memory")
+
+
+BLOCKS = {f.__name__.replace("_", "-"): f for f in (  # NAME of <!-- render:NAME --> from the function's name
+    readme_intro, readme_measured, performance_short, performance_vs_compile, performance_runs, performance_tp,
+    performance_loss, performance_upstream, performance_mask, performance_floor, performance_train_tp2dp2,
+    performance_train_1gpu, megatron_memory, accuracy_short, accuracy_bench, training_gemma2, internals_budgets,
+    training_determinism)}
 _BLOCK = re.compile(r"(<!-- render:([\w-]+) -->\n)(.*?)(<!-- /render:\2 -->)", re.DOTALL)
-
-
-def files() -> list[Path]:
-    return [C.REPO_ROOT / "README.md", *sorted((C.REPO_ROOT / "docs").glob("*.md"))]
 
 
 def rewrite(text: str) -> tuple[str, list[str]]:
@@ -488,7 +477,7 @@ def rewrite(text: str) -> tuple[str, list[str]]:
 
 def main(check: bool = False) -> int:
     stale, seen = [], []
-    for path in files():
+    for path in [C.REPO_ROOT / "README.md", *sorted((C.REPO_ROOT / "docs").glob("*.md"))]:
         text = path.read_text()
         new, names = rewrite(text)
         seen += names
