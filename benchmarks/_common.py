@@ -558,14 +558,23 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def run_metadata(device, commit: str | None = None) -> dict:
+def run_metadata(device, args, methods: list, packages: tuple, tag: str, **extra) -> dict:
+    """What a bench_loss / bench_tp result records of its run (`extra` after the machine's), its
+    methods printed."""
     name = torch.cuda.get_device_name(device) if is_cuda(device) else (
         f"CPU ({platform.processor() or platform.machine()})")
+    for m in methods:
+        print(f"[{tag}] method {m.key:<24} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable else ""),
+              flush=True)
     return {"device": name, "gpu": gpu_slug(name), "torch": torch.__version__, "triton": pkg_version("triton"),
-            "cuda": torch.version.cuda, "python": platform.python_version(), "git_commit": commit or git_commit(),
+            "cuda": torch.version.cuda, "python": platform.python_version(), "git_commit": args.commit or git_commit(),
             "date": utc_now(), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
             "hostname": platform.node(),
-            "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ}}
+            "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ},
+            **extra, "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,
+            "regimes": {r: REGIMES[r] for r in args.regimes},
+            "methods": {m.key: {"label": m.label, "unavailable": m.unavailable, **getattr(m, "info", {})} for m in methods},
+            "packages": {n: pkg_version(n) for n in packages}}
 
 
 def out_stem(out_dir: Path, meta: dict, tag: str | None) -> Path:

@@ -355,22 +355,13 @@ def main(argv=None) -> int:
     # Shape-major order: a second regime of the same shape reuses compiled / autotuned kernels.
     cases = [(s, r) for s in shapes for r in args.regimes]
     methods = build_methods(C.csv_list(args.methods), C.import_baseline(args.baseline) if args.baseline else None)
-    meta = C.run_metadata(device, args.commit)
-    meta.update({
-        "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,
-        "flop_convention": FLOP_CONVENTION, "memory_convention": MEMORY_CONVENTION,
-        "regimes": {r: C.REGIMES[r] for r in args.regimes},
-        "methods": {m.key: {"label": m.label, "unavailable": m.unavailable, **m.info} for m in methods},
-        "packages": {n: C.pkg_version(n) for n in
-                     ("liger-kernel", "cut-cross-entropy", "cce-parallel", "megatron-core", "numpy")},
-    })
+    meta = C.run_metadata(device, args, methods, ("liger-kernel", "cut-cross-entropy", "cce-parallel",
+                                                  "megatron-core", "numpy"), "bench_loss",
+                          flop_convention=FLOP_CONVENTION, memory_convention=MEMORY_CONVENTION)
     data: dict = {"meta": meta, "cases": []}
     stem = C.out_stem(Path(args.out) if args.out else default_out, meta, args.tag)
     print(f"[bench_loss] {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
           f"commit {meta['git_commit']}", flush=True)
-    for m in methods:
-        print(f"[bench_loss] method {m.key:<22} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
-                                                              else ""), flush=True)
     print(f"[bench_loss] {len(cases)} cases x {len(methods)} methods -> {stem}.{{json,md}}", flush=True)
     start = time.monotonic()
     if C.is_cuda(device):

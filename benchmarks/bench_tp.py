@@ -441,19 +441,14 @@ def main(argv=None) -> int:
 
     mcore, mcore_err = import_megatron()
     methods = build_methods(C.csv_list(args.methods), mcore, mcore_err)
-    meta = C.run_metadata(d.device, args.commit)
-    meta.update({
-        "world": d.world, "backend": d.backend,
-        "launch": f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', d.world)} -m benchmarks tp "
-                  + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-        "tp_sizes": tp_sizes, "sp": args.sp_list, "warmup": args.warmup, "repeats": args.repeats,
-        "rounds": args.rounds, "config": {"N": shape.N, "s": args.seq, "b": args.batch, "V": V, "D": D,
-                                          "dtype": args.dtype, "shape": args.shape},
-        "regimes": {r: C.REGIMES[r] for r in args.regimes}, "time_convention": TIME_CONVENTION,
-        "memory_convention": MEMORY_CONVENTION, "flop_convention": FLOP_CONVENTION,
-        "methods": {m.key: {"label": m.label, "unavailable": m.unavailable} for m in methods},
-        "packages": {n: C.pkg_version(n) for n in ("megatron-core", "cce-parallel", "numpy")},
-    })
+    launch = " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    meta = C.run_metadata(d.device, args, methods if d.lead else [], ("megatron-core", "cce-parallel", "numpy"),
+                          "bench_tp", world=d.world, backend=d.backend, tp_sizes=tp_sizes, sp=args.sp_list,
+                          launch=f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', d.world)} "
+                                 f"-m benchmarks tp {launch}",
+                          config={"N": shape.N, "s": args.seq, "b": args.batch, "V": V, "D": D, "dtype": args.dtype,
+                                  "shape": args.shape}, time_convention=TIME_CONVENTION,
+                          memory_convention=MEMORY_CONVENTION, flop_convention=FLOP_CONVENTION)
     meta["env"].update({k: v for k, v in os.environ.items() if k.startswith("NCCL_")
                         or k in ("CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")})
     data: dict = {"meta": meta, "cases": [], "_start": time.monotonic()}
@@ -468,9 +463,6 @@ def main(argv=None) -> int:
     if d.lead:
         print(f"[bench_tp] {d.world} × {meta['device']} ({d.backend}) | torch {meta['torch']} | "
               f"megatron-core {meta['packages']['megatron-core']} | commit {meta['git_commit']}", flush=True)
-        for m in methods:
-            print(f"[bench_tp] method {m.key:<24} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
-                                                                else ""), flush=True)
 
     def run():
         for t in tp_sizes:
