@@ -532,15 +532,13 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "unknown"
 
 
-def _git(*args: str) -> str:
-    out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=False)
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
 def git_commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        sha = _git("rev-parse", "HEAD")
-        return sha + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "") if sha else "unknown"
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:  # noqa: BLE001 - no git, not a repo: say "unknown"
         return "unknown"
 

@@ -90,6 +90,9 @@ def launch_parser(command: str, *, work: str, recipe: str, nproc: int, steps: in
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--launch-timeout", type=float, default=timeout, help="seconds per launch")
     p.add_argument("--extra", nargs="*", default=[], help="more --set overrides for every run, applied last")
+    p.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"],
+                   help="loss.impl of each run; the first is the one the others are compared with")
+    p.add_argument("--tag", help="suffix of the report's file names")
     return p
 
 
@@ -211,12 +214,9 @@ def compare(argv: list[str]) -> int:
                        steps=300, timeout=240, description="loss layers side by side in the train job; exit status "
                        "0 when every run and the report succeeded")
     ap.add_argument("--runs", nargs="+", help="run directories (each with metrics.jsonl) to compare instead of launching")
-    ap.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"],
-                    help="loss.impl of each run; the first is the one the others are compared with")
     ap.add_argument("--gbs", type=int, default=64, help="train.global_batch_size")
     ap.add_argument("--mbs", type=int, default=8, help="train.micro_batch_size")
     ap.add_argument("--lr-warmup", type=int, default=30, help="optim.warmup_steps")
-    ap.add_argument("--tag", help="suffix of the report's file names")
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (default 10)")
     ap.add_argument("--command", help="the command that produced the runs (recorded)")
     args = ap.parse_args(argv)
@@ -323,11 +323,9 @@ def sweep_report(args, points: list[dict]) -> None:
 def sweep(argv: list[str]) -> int:
     p = launch_parser("sweep", work="/tmp/cce_train_sweep", recipe="recipes/gemma-2b-owt.yaml", nproc=4, steps=4,
                       timeout=240)
-    p.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"])
     p.add_argument("--seq", nargs="+", type=int, required=True, help="sequence lengths, in the order to try")
     p.add_argument("--mbs", nargs="+", type=int, default=[1], help="micro-batches, in the order to try (per sequence)")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step and rank")
-    p.add_argument("--tag", default=None)
     p.add_argument("--report-only", action="store_true", help="render OUT/points.json again")
     args = p.parse_args(argv)
     args.argv = argv
