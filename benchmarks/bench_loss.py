@@ -258,8 +258,7 @@ def over_base_paired(cs: dict, meta: dict) -> list[tuple[str, str, float]]:
         base = key.rsplit("/", 1)[0]
         if "/" not in key or base not in cs["methods"]:
             continue
-        times = (r.get("fwd_bwd") or {}).get("times_ms")
-        ref = (cs["methods"][base].get("fwd_bwd") or {}).get("times_ms")
+        times, ref = ((x.get("fwd_bwd") or {}).get("times_ms") for x in (r, cs["methods"][base]))
         ratio = C.paired_ratio(times, ref, sizes) if times and ref else None
         if ratio is not None:
             out.append((key, base, ratio))
@@ -270,8 +269,8 @@ def render_markdown(data: dict) -> str:
     meta, get = data["meta"], C.get
     lines = ["# Loss + gradient on one GPU: cce_parallel next to its peers", "",
              (f"- device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
-              f"CUDA {meta.get('cuda')}, Python {meta.get('python')}")]
-    lines += [f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta['command']}`"]
+              f"CUDA {meta.get('cuda')}, Python {meta.get('python')}"),
+             f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta['command']}`"]
     sq = data.get("square_matmul")
     if sq and "tflops" in sq:
         lines.append(f"- cuBLAS bf16 {sq['n']}³ matmul: {sq['tflops']:.0f} TFLOP/s")
@@ -284,8 +283,7 @@ def render_markdown(data: dict) -> str:
         ("- fwd+bwd ×compile, paired: per round, the method's median fwd+bwd time over torch.compile's in "
          "that round; the median of those ratios over the rounds (a clock drifting between rounds cancels)"),
         "", "Regimes:"]
-    lines += [f"- **{r}**: {C.REGIMES.get(r, '?')}" for r in sorted({cs["regime"] for cs in data["cases"]})]
-    lines.append("")
+    lines += [*(f"- **{r}**: {C.REGIMES.get(r, '?')}" for r in sorted({cs["regime"] for cs in data["cases"]})), ""]
     unavailable = {k: r.get("error", "") for cs in data["cases"] for k, r in cs["methods"].items()
                    if r.get("status") == "unavailable"}
     if unavailable:
@@ -316,10 +314,8 @@ def render_markdown(data: dict) -> str:
                   " · ".join(head), "",
                   *C.md_table(["method", "fwd+bwd ms", "fwd+bwd ×compile, paired", "fwd+bwd MiB", "fwd+bwd TFLOP/s",
                                "loss err", "∇E err", "∇C err", "status"], rows), ""]
-        paired = over_base_paired(cs, meta)
-        lines += [f"- fwd+bwd of `{key}` over `{base}`'s, paired: {ratio:.3f}" for key, base, ratio in paired]
-        if paired:
-            lines.append("")
+        paired = [f"- fwd+bwd of `{key}` over `{base}`'s, paired: {r:.3f}" for key, base, r in over_base_paired(cs, meta)]
+        lines += [*paired, ""] if paired else []
     if data.get("aborted"):
         lines += [f"**run aborted:** {data['aborted']}", ""]
     return "\n".join(lines) + "\n"
