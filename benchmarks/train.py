@@ -292,11 +292,9 @@ def sweep_report(args, points: list[dict]) -> None:
     meta = next(p["meta"] for p in points if p.get("meta"))
     gpu, world = meta["device_name"], meta["layout"]["world"]
     day = _dt.datetime.fromtimestamp(meta["time"], tz=_dt.timezone.utc).date()  # the run's, not the report's
-    largest = {}
-    for p in points:
-        best = largest.get(p["impl"])
-        if p["trained"] and (best is None or (p["seq"] * p["mbs"], p["seq"]) > (best["seq"] * best["mbs"], best["seq"])):
-            largest[p["impl"]] = p
+    largest = {i: max(done, key=lambda p: (p["seq"] * p["mbs"], p["seq"]))  # the first of the most tokens
+               for i in dict.fromkeys(p["impl"] for p in points)
+               if (done := [p for p in points if p["impl"] == i and p["trained"]])}
     first = args.impls[0]
     ref = largest.get(first)
     lines = [f"# The largest run each loss layer trains: {args.recipe}, {world}x {gpu}", "",
