@@ -1,14 +1,11 @@
 """The harness every benchmark shares: shapes, inputs, timing, memory, references, metadata, output.
-
-Nothing here imports cce_parallel or a peer, and nothing queries CUDA at import time, so every
-script imports (and ``--help`` works) without a GPU. Conventions (docs/performance.md): times in
-ms, CUDA events; memory is the peak of ``max_memory_allocated`` above ``memory_allocated`` just
-before the call; FLOPs 2·N·V·D forward, 6·N·V·D forward + backward.
+No cce_parallel, no peer and no CUDA query at import, so ``--help`` works without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -48,14 +45,9 @@ class Shape:  # one classifier head: N tokens, vocabulary V, hidden size D
 
 
 # (V, D) of the output heads of real models; tiny odd ones for the CPU smoke mode.
-MODEL_SHAPES: dict[str, tuple[int, int]] = {
-    "gemma2-2b": (256000, 2304),
-    "gemma2-9b": (256000, 3584),
-    "llama3-8b": (128256, 4096),
-    "mistral-nemo": (131072, 5120),
-    "qwen2.5-7b": (152064, 3584),
-    "phi3.5-mini": (32064, 3072),
-}
+MODEL_SHAPES: dict[str, tuple[int, int]] = {"gemma2-2b": (256000, 2304), "gemma2-9b": (256000, 3584),
+                                            "llama3-8b": (128256, 4096), "mistral-nemo": (131072, 5120),
+                                            "qwen2.5-7b": (152064, 3584), "phi3.5-mini": (32064, 3072)}
 SMOKE_SHAPES: dict[str, tuple[int, int]] = {"tiny-a": (517, 48), "tiny-b": (1000, 32)}
 
 
@@ -111,12 +103,8 @@ def parse_run_args(p: argparse.ArgumentParser, argv, smoke: dict) -> argparse.Na
 
 C_INIT_STD = 0.02  # GPT-style init of the classifier
 SOFTMAX_EPS = 2.0**-12  # CCE's bf16 gradient-filter epsilon, whose mass we report
-ZIPF_S = 1.1
-TRAINED_CANDIDATES = 50
-TRAINED_RANK_S = 1.0
-TRAINED_BACKGROUND = 0.05
-CONFIDENT_SHARE = 0.5
-CONFIDENT_P = 0.99
+ZIPF_S, TRAINED_CANDIDATES, TRAINED_RANK_S, TRAINED_BACKGROUND = 1.1, 50, 1.0, 0.05
+CONFIDENT_SHARE, CONFIDENT_P = 0.5, 0.99
 
 REGIMES = {
     "random": (
@@ -402,24 +390,20 @@ def peak_bytes(fn: Callable[[], object], *, device) -> int | None:
 def free_memory(device=None) -> None:
     """Collect garbage and return cached blocks; never raises (the context may be broken)."""
     gc.collect()
-    try:
+    with contextlib.suppress(Exception):  # best effort; the caller reports the real error
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001, S110 - best effort; the caller reports the real error
-        pass
 
 
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-_FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
-          "illegal instruction", "uncorrectable ecc", "cuda error: an illegal")
-
-
 def is_fatal_cuda_error(exc: BaseException) -> bool:
     """Errors after which the CUDA context is unusable, so the run must stop."""
-    return any(k in str(exc).lower() for k in _FATAL)
+    return any(k in str(exc).lower() for k in ("illegal memory access", "device-side assert", "misaligned address",
+                                               "unspecified launch failure", "illegal instruction",
+                                               "uncorrectable ecc", "cuda error: an illegal"))
 
 
 def short_error(exc: BaseException, limit: int = 300) -> str:
@@ -548,25 +532,23 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "unknown"
 
 
-def _git(*args: str) -> str:
-    out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=False)
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
 def git_commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        sha = _git("rev-parse", "HEAD")
-        return sha + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "") if sha else "unknown"
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:  # noqa: BLE001 - no git, not a repo: say "unknown"
         return "unknown"
 
 
 def pkg_version(name: str) -> str | None:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version(name)
-    except Exception:  # noqa: BLE001
+    except PackageNotFoundError:
         return None
 
 
@@ -574,20 +556,23 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def run_metadata(device, commit: str | None = None) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except Exception:  # noqa: BLE001
-        triton_version = None
+def run_metadata(device, args, methods: list, packages: tuple, tag: str, **extra) -> dict:
+    """What a bench_loss / bench_tp result records of its run (`extra` after the machine's), its
+    methods printed."""
     name = torch.cuda.get_device_name(device) if is_cuda(device) else (
         f"CPU ({platform.processor() or platform.machine()})")
-    return {"device": name, "gpu": gpu_slug(name), "torch": torch.__version__, "triton": triton_version,
-            "cuda": torch.version.cuda, "python": platform.python_version(), "git_commit": commit or git_commit(),
+    for m in methods:
+        print(f"[{tag}] method {m.key:<24} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable else ""),
+              flush=True)
+    return {"device": name, "gpu": gpu_slug(name), "torch": torch.__version__, "triton": pkg_version("triton"),
+            "cuda": torch.version.cuda, "python": platform.python_version(), "git_commit": args.commit or git_commit(),
             "date": utc_now(), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
             "hostname": platform.node(),
-            "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ}}
+            "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET") if k in os.environ},
+            **extra, "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,
+            "regimes": {r: REGIMES[r] for r in args.regimes},
+            "methods": {m.key: {"label": m.label, "unavailable": m.unavailable, **getattr(m, "info", {})} for m in methods},
+            "packages": {n: pkg_version(n) for n in packages}}
 
 
 def out_stem(out_dir: Path, meta: dict, tag: str | None) -> Path:
@@ -618,14 +603,6 @@ def write_report(stem: Path, data: dict, markdown: str) -> list[str]:
     return [str(path), str(stem.with_suffix(".md"))]
 
 
-def merge_results(files: list[str], case_key: Callable) -> tuple[list[dict], dict]:
-    """The result files, and one result of their cases (a later file's case wins where case_key
-    gives the same) with the first file's meta."""
-    datas = [json.loads(Path(f).read_text()) for f in files]
-    index = {case_key(cs): cs for d in datas for cs in d["cases"]}
-    return datas, {"meta": dict(datas[0]["meta"]), "cases": list(index.values())}
-
-
 def get(r, *path):
     """r[path[0]][path[1]]... as a float (a non-finite one stored as its name read back), None where
     any step is missing."""
@@ -654,18 +631,12 @@ def fmt_mib(b, missing: str = "–") -> str:
     return f"{mib:.1f}" if mib < 10 else f"{mib:,.0f}"
 
 
-def fmt_err(x, missing: str = "–") -> str:
-    return fmt_num(x, ".1e", missing)
-
-
-def md_row(cells) -> str:
-    """One line of a Markdown table (a | in a cell becomes /)."""
-    return "| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |"
-
-
 def md_table(header: list[str], rows) -> list[str]:
-    """The lines of a Markdown table: the header, its rule, a line per row of cells."""
-    return [md_row(header), "|" + "---|" * len(header), *(md_row(r) for r in rows)]
+    """The lines of a Markdown table: the header, its rule, a line per row of cells (| becomes /)."""
+    def row(cells):
+        return "| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |"
+
+    return [row(header), "|" + "---|" * len(header), *map(row, rows)]
 
 
 # ---- A baseline: cce_parallel as it was at another commit, imported beside this one --------------

@@ -25,7 +25,7 @@ import _common as C
 import torch
 import torch.nn.functional as F
 
-DEFAULT_METHODS = "eager,compile,liger,cutce,torch_lce,ours"
+DEFAULT_METHODS = "eager,compile,liger,cutce,ours"
 FLOP_CONVENTION = "forward+backward: 6·N·V·D FLOPs (logits, ∇E, ∇C), no credit for recomputing the logits"
 MEMORY_CONVENTION = (
     "peak torch.cuda.max_memory_allocated above memory_allocated just before the call, "
@@ -107,21 +107,6 @@ def _cutce(mod):
     return lambda: lambda e, c, t: mod.linear_cross_entropy(e, c, t, impl="cce", reduction="mean")
 
 
-def _torch_lce() -> Method:
-    fn = getattr(F, "linear_cross_entropy", None)
-    if fn is None:
-        return Method("torch_lce", "F.linear_cross_entropy",
-                      unavailable=f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
-    import inspect
-
-    kwargs, mode = {"reduction": "mean"}, "reference path"
-    opts_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
-    if opts_cls is not None and "options" in inspect.signature(fn).parameters:
-        kwargs["options"], mode = opts_cls(), "chunked, LinearCrossEntropyOptions()"  # its "auto" policy
-    return Method("torch_lce", f"F.linear_cross_entropy ({mode})", lambda: lambda e, c, t: fn(e, c, t, **kwargs),
-                  info={"signature": str(inspect.signature(fn)), "mode": mode})
-
-
 def _ours(key: str, out: list, baseline) -> None:
     """`ours[:<impl>][@<budget>][/<upstream>]` (or `base...`, the --baseline package) into `out`."""
     spec, _, upstream = key.partition("/")
@@ -187,12 +172,10 @@ def build_methods(keys: list[str], baseline=None) -> list[Method]:
             out.append(_peer("liger", "liger-kernel FLCE", "liger_kernel.transformers", "liger-kernel", _liger))
         elif key == "cutce":
             out.append(_peer("cutce", "cut-cross-entropy (cce)", "cut_cross_entropy", "cut-cross-entropy", _cutce))
-        elif key == "torch_lce":
-            out.append(_torch_lce())
         elif key.partition("/")[0].partition(":")[0] in ("ours", "base"):
             _ours(key, out, baseline)
         else:
-            raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, torch_lce, "
+            raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, "
                              "ours, ours:<impl>, base, base:<impl>")
     return out
 
@@ -263,7 +246,7 @@ def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: in
     C.free_memory(device)
 
 
-# ---- Reports: Markdown, from the JSON alone (so `render` can redo them) --------------------------
+# ---- Reports: Markdown, from the JSON alone ------------------------------------------------------
 
 
 def over_base_paired(cs: dict, meta: dict) -> list[tuple[str, str, float]]:
@@ -275,8 +258,7 @@ def over_base_paired(cs: dict, meta: dict) -> list[tuple[str, str, float]]:
         base = key.rsplit("/", 1)[0]
         if "/" not in key or base not in cs["methods"]:
             continue
-        times = (r.get("fwd_bwd") or {}).get("times_ms")
-        ref = (cs["methods"][base].get("fwd_bwd") or {}).get("times_ms")
+        times, ref = ((x.get("fwd_bwd") or {}).get("times_ms") for x in (r, cs["methods"][base]))
         ratio = C.paired_ratio(times, ref, sizes) if times and ref else None
         if ratio is not None:
             out.append((key, base, ratio))
@@ -287,11 +269,8 @@ def render_markdown(data: dict) -> str:
     meta, get = data["meta"], C.get
     lines = ["# Loss + gradient on one GPU: cce_parallel next to its peers", "",
              (f"- device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
-              f"CUDA {meta.get('cuda')}, Python {meta.get('python')}")]
-    if meta.get("sources"):
-        lines.append(f"- merged from: {'; '.join(meta['sources'])} (each file's command is in its own report)")
-    else:
-        lines += [f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta['command']}`"]
+              f"CUDA {meta.get('cuda')}, Python {meta.get('python')}"),
+             f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta['command']}`"]
     sq = data.get("square_matmul")
     if sq and "tflops" in sq:
         lines.append(f"- cuBLAS bf16 {sq['n']}³ matmul: {sq['tflops']:.0f} TFLOP/s")
@@ -304,8 +283,7 @@ def render_markdown(data: dict) -> str:
         ("- fwd+bwd ×compile, paired: per round, the method's median fwd+bwd time over torch.compile's in "
          "that round; the median of those ratios over the rounds (a clock drifting between rounds cancels)"),
         "", "Regimes:"]
-    lines += [f"- **{r}**: {C.REGIMES.get(r, '?')}" for r in sorted({cs["regime"] for cs in data["cases"]})]
-    lines.append("")
+    lines += [*(f"- **{r}**: {C.REGIMES.get(r, '?')}" for r in sorted({cs["regime"] for cs in data["cases"]})), ""]
     unavailable = {k: r.get("error", "") for cs in data["cases"] for k, r in cs["methods"].items()
                    if r.get("status") == "unavailable"}
     if unavailable:
@@ -331,40 +309,23 @@ def render_markdown(data: dict) -> str:
             rows.append([r.get("label", k), C.fmt_num(get(r, "fwd_bwd", "median_ms"), ".2f"),
                          C.fmt_num(get(r, "fwd_bwd", "vs_compile_paired"), ".3f"),
                          C.fmt_mib(get(r, "fwd_bwd_mem_bytes")), C.fmt_num(get(r, "fwd_bwd_tflops"), ".0f"),
-                         *(C.fmt_err(get(r, f"{x}_rel_err")) for x in ("loss", "grad_e", "grad_c")), status])
+                         *(C.fmt_num(get(r, f"{x}_rel_err"), ".1e") for x in ("loss", "grad_e", "grad_c")), status])
         lines += [f"### {cs['shape']} (N={cs['N']}, V={cs['V']}, D={cs['D']}), {cs['regime']}", "",
                   " · ".join(head), "",
                   *C.md_table(["method", "fwd+bwd ms", "fwd+bwd ×compile, paired", "fwd+bwd MiB", "fwd+bwd TFLOP/s",
                                "loss err", "∇E err", "∇C err", "status"], rows), ""]
-        paired = over_base_paired(cs, meta)
-        lines += [f"- fwd+bwd of `{key}` over `{base}`'s, paired: {ratio:.3f}" for key, base, ratio in paired]
-        if paired:
-            lines.append("")
+        paired = [f"- fwd+bwd of `{key}` over `{base}`'s, paired: {r:.3f}" for key, base, r in over_base_paired(cs, meta)]
+        lines += [*paired, ""] if paired else []
     if data.get("aborted"):
         lines += [f"**run aborted:** {data['aborted']}", ""]
     return "\n".join(lines) + "\n"
-
-
-def render(files: list[str], out: str | None, tag: str | None) -> int:
-    """Merge result files (later ones win for the same case) and write their .json/.md."""
-    datas, merged = C.merge_results(files, lambda cs: (cs["kind"], cs["shape"], cs["N"], cs["regime"]))
-    merged["meta"]["sources"] = [f"{Path(f).name} (commit {d['meta'].get('git_commit')}, {d['meta'].get('date')})"
-                                 for f, d in zip(files, datas)]
-    for d in datas:
-        if d.get("square_matmul"):
-            merged["square_matmul"] = d["square_matmul"]
-        for k in ("repeats", "warmup", "rounds"):
-            merged["meta"].setdefault(k, d["meta"].get(k))
-    stem = C.out_stem(Path(out) if out else Path(files[0]).parent, merged["meta"], tag or "merged")
-    print("[bench_loss] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
-    return 0
 
 
 # ---- Main ----------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
-    methods_help = ("eager, compile, liger, cutce, torch_lce, "
+    methods_help = ("eager, compile, liger, cutce, "
                     "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
     p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
     p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD)")
@@ -372,7 +333,7 @@ def parse_args(argv=None):
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="the cce_parallel of base[...] methods: a folder from `python -m benchmarks baseline`")
     smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "tokens": 64,
-             "warmup": 1, "repeats": 3, "methods": "eager,torch_lce,ours:torch"}
+             "warmup": 1, "repeats": 3, "methods": "eager,ours:torch"}
     return C.parse_run_args(p, argv, smoke)
 
 
@@ -390,22 +351,13 @@ def main(argv=None) -> int:
     # Shape-major order: a second regime of the same shape reuses compiled / autotuned kernels.
     cases = [(s, r) for s in shapes for r in args.regimes]
     methods = build_methods(C.csv_list(args.methods), C.import_baseline(args.baseline) if args.baseline else None)
-    meta = C.run_metadata(device, args.commit)
-    meta.update({
-        "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,
-        "flop_convention": FLOP_CONVENTION, "memory_convention": MEMORY_CONVENTION,
-        "regimes": {r: C.REGIMES[r] for r in args.regimes},
-        "methods": {m.key: {"label": m.label, "unavailable": m.unavailable, **m.info} for m in methods},
-        "packages": {n: C.pkg_version(n) for n in
-                     ("liger-kernel", "cut-cross-entropy", "cce-parallel", "megatron-core", "numpy")},
-    })
+    meta = C.run_metadata(device, args, methods, ("liger-kernel", "cut-cross-entropy", "cce-parallel",
+                                                  "megatron-core", "numpy"), "bench_loss",
+                          flop_convention=FLOP_CONVENTION, memory_convention=MEMORY_CONVENTION)
     data: dict = {"meta": meta, "cases": []}
     stem = C.out_stem(Path(args.out) if args.out else default_out, meta, args.tag)
     print(f"[bench_loss] {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
           f"commit {meta['git_commit']}", flush=True)
-    for m in methods:
-        print(f"[bench_loss] method {m.key:<22} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
-                                                              else ""), flush=True)
     print(f"[bench_loss] {len(cases)} cases x {len(methods)} methods -> {stem}.{{json,md}}", flush=True)
     start = time.monotonic()
     if C.is_cuda(device):
@@ -420,8 +372,8 @@ def main(argv=None) -> int:
             for r in data["cases"][-1]["methods"].values():
                 print(f"  {r['key']:<28} {r['status']:<6} f+b {C.fmt_num(C.get(r, 'fwd_bwd', 'median_ms'), '.2f')} ms"
                       f"  ×compile {C.fmt_num(C.get(r, 'fwd_bwd', 'vs_compile_paired'), '.3f')}"
-                      f"  {C.fmt_mib(r.get('fwd_bwd_mem_bytes'))} MiB  dE {C.fmt_err(C.get(r, 'grad_e_rel_err'))}"
-                      f"  dC {C.fmt_err(C.get(r, 'grad_c_rel_err'))}  {r.get('error', '')[:100]}", flush=True)
+                      f"  {C.fmt_mib(r.get('fwd_bwd_mem_bytes'))} MiB  dE {C.fmt_num(C.get(r, 'grad_e_rel_err'), '.1e')}"
+                      f"  dC {C.fmt_num(C.get(r, 'grad_c_rel_err'), '.1e')}  {r.get('error', '')[:100]}", flush=True)
             data["elapsed_s"] = time.monotonic() - start
             C.write_report(stem, data, render_markdown(data))  # partial results survive a killed run
 

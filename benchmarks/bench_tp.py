@@ -4,13 +4,13 @@ The same global tokens at every TP size: e [s, b, D], a [V, D] classifier in equ
 shards, targets [s, b], in groups of t consecutive ranks; methods ``megatron``, ``megatron_fused``
 and ``ours:<impl>[@<budget>]`` (``tp_group``). benchmarks/README.md says what is measured.
 
-    python -m benchmarks tp --sizes 1,2,4 [options]   # a torchrun launch of this file per size, one report
-    torchrun --nproc_per_node 4 benchmarks/bench_tp.py --tp 1,2,4 --out DIR --commit SHA
-    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --cpu-smoke   # gloo: the plumbing
+    torchrun --nproc_per_node 4 -m benchmarks tp --tp 1,2,4 --out DIR --commit SHA
+    torchrun --nproc_per_node 2 -m benchmarks tp --cpu-smoke   # gloo: the plumbing
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import shlex
@@ -28,6 +28,7 @@ import _common as C
 import torch
 import torch.distributed as dist
 
+MEGATRON = ("megatron", "megatron_fused")
 DEFAULT_METHODS = "megatron,megatron_fused,ours:cce,ours:cce_kahan_full_c,ours:cce_kahan_full_c@lean"
 MEMORY_CONVENTION = (
     "per rank: peak torch.cuda.max_memory_allocated above memory_allocated just before the call, "
@@ -57,6 +58,8 @@ class Dist:
 
 
 def init_dist(cpu: bool, timeout_s: float) -> Dist:
+    if "RANK" not in os.environ:
+        raise SystemExit("launch it with torchrun: torchrun --nproc_per_node N -m benchmarks tp [options]")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = _dt.timedelta(seconds=timeout_s)
     if cpu:
@@ -77,18 +80,6 @@ def make_tp_group(d: Dist, t: int):
         g = dist.new_group(list(range(start, start + t)))
         mine = g if start <= d.rank < start + t else mine
     return mine
-
-
-def any_rank(flag: bool, d: Dist) -> bool:
-    x = torch.tensor([1 if flag else 0], dtype=torch.int32, device=d.device)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return bool(x.item())
-
-
-def gather_objects(obj, d: Dist) -> list:
-    out = [None] * d.world
-    dist.all_gather_object(out, obj)
-    return out
 
 
 # ---- Methods -------------------------------------------------------------------------------------
@@ -128,7 +119,7 @@ def import_megatron():
 def build_methods(keys: list[str], mcore, mcore_err) -> list[Method]:
     out: list[Method] = []
     for key in keys:
-        if key in ("megatron", "megatron_fused"):
+        if key in MEGATRON:
             fused = key == "megatron_fused"
             label = f"Megatron-core {C.pkg_version('megatron-core')}: ColumnParallelLinear + " + (
                 "fused_vocab_parallel_cross_entropy" if fused else "vocab_parallel_cross_entropy")
@@ -308,7 +299,9 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
                         entry["_mine"] = exc.result
                         raise
                     entry["_mine"] = mine
-                    if not any_rank(fn is None, d):  # timed only where every rank has it
+                    failed = torch.tensor([int(fn is None)], dtype=torch.int32, device=d.device)
+                    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+                    if not failed.item():  # timed only where every rank has it
                         alive.append((mine, fn))
                 t1 = time.perf_counter()
                 # Every rank runs the same sequence (collectives must meet).
@@ -330,7 +323,8 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
                 entry = entries[m.key]
                 mine = entry.pop("_mine", None)
                 if mine is not None:
-                    per_rank = gather_objects(mine, d)
+                    per_rank = [None] * d.world
+                    dist.all_gather_object(per_rank, mine)
                     entry.update(combine(per_rank, t))
                     entry["wall_s"] = max(r.get("wall_s", 0.0) for r in per_rank)
                 if d.lead:
@@ -342,30 +336,15 @@ def run_tp(t: int, d: Dist, args, methods, mcore, dtype, shape: C.Shape, data: d
         C.free_memory(d.device)
 
 
-# ---- Reports (from the JSON alone, so `render` can redo them) ------------------------------------
+# ---- Reports: Markdown, from the JSON alone ------------------------------------------------------
 
 
 def _ms(r: dict | None):
     return C.get(r, "fwd_bwd", "median_ms") if r and r.get("status") == "ok" else None
 
 
-def ratios(data: dict, case: dict, key: str, baseline: str = "megatron"):
-    """(`baseline`'s time / this time at the same TP and SP, our TP=1 time / this time)."""
-    ms = _ms(case["methods"].get(key))
-    if ms is None:
-        return None, None
-    mega = _ms(case["methods"].get(baseline)) if baseline != key else None
-    base_case = next((cs for cs in data["cases"] if (cs["regime"], cs["tp"], cs["sp"]) == (case["regime"], 1, False)),
-                     None)
-    base = _ms(base_case["methods"].get(key)) if base_case else None
-    return (mega / ms if mega else None), (base / ms if base else None)
-
-
-def mem_ratio(case: dict, key: str, baseline: str = "megatron"):
-    """This method's memory per rank / `baseline`'s at the same TP and SP."""
-    mem = C.get(case["methods"].get(key), "mem_bytes")
-    mega = C.get(case["methods"].get(baseline), "mem_bytes") if baseline != key else None
-    return mem / mega if mem and mega else None
+def _over(a, b):
+    return a / b if a and b else None
 
 
 def render_markdown(data: dict) -> str:
@@ -374,41 +353,37 @@ def render_markdown(data: dict) -> str:
              (f"- device: {meta['world']} × {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
               f"CUDA {meta.get('cuda')}, Python {meta.get('python')}; "
               f"megatron-core {meta.get('packages', {}).get('megatron-core')}"),
-             f"- commit: `{meta['git_commit']}`; date: {meta['date']}"]
-    lines += [f"- command: `{cmd}`" for cmd in meta.get("launches") or [meta.get("launch")]]
-    if meta.get("sources"):
-        lines.append(f"- merged from: {', '.join(meta['sources'])}")
-    lines += [
-        (f"- shape: N = {cfg.get('N')} tokens (s = {cfg.get('s')}, b = {cfg.get('b')}, [s, b, D] layout), "
-         f"V = {cfg.get('V')}, D = {cfg.get('D')}, {cfg.get('dtype')}; the same global tokens at every TP size"),
-        ("- TP groups: consecutive ranks; every group runs the same work; times are TP group 0's slowest "
-         f"rank, memory the largest over all {meta['world']} ranks; backend {meta.get('backend')}"),
-        f"- timing: {TIME_CONVENTION} (warm-up {meta.get('warmup')}, repeats {meta.get('repeats')})",
-        f"- memory: {MEMORY_CONVENTION}", f"- FLOPs: {FLOP_CONVENTION}",
-        ("- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference on the full classifier (∇e: this "
-         "rank's rows under SP; ∇c: this rank's shard), largest over ranks"),
-        f"- env: {', '.join(f'{k}={v}' for k, v in sorted(meta.get('env', {}).items())) or 'none recorded'}",
-        "", "Regimes:"]
+             f"- commit: `{meta['git_commit']}`; date: {meta['date']}", f"- command: `{meta.get('launch')}`",
+             (f"- shape: N = {cfg.get('N')} tokens (s = {cfg.get('s')}, b = {cfg.get('b')}, [s, b, D] layout), "
+              f"V = {cfg.get('V')}, D = {cfg.get('D')}, {cfg.get('dtype')}; the same global tokens at every TP size"),
+             ("- TP groups: consecutive ranks; every group runs the same work; times are TP group 0's slowest "
+              f"rank, memory the largest over all {meta['world']} ranks; backend {meta.get('backend')}"),
+             f"- timing: {TIME_CONVENTION} (warm-up {meta.get('warmup')}, repeats {meta.get('repeats')})",
+             f"- memory: {MEMORY_CONVENTION}", f"- FLOPs: {FLOP_CONVENTION}",
+             ("- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference on the full classifier (∇e: this "
+              "rank's rows under SP; ∇c: this rank's shard), largest over ranks"),
+             f"- env: {', '.join(f'{k}={v}' for k, v in sorted(meta.get('env', {}).items())) or 'none recorded'}",
+             "", "Regimes:"]
     lines += [f"- **{r}**: {text}" for r, text in meta.get("regimes", {}).items()]
     for regime in dict.fromkeys(cs["regime"] for cs in data["cases"]):
         cases = sorted([cs for cs in data["cases"] if cs["regime"] == regime], key=lambda x: (x["tp"], x["sp"]))
         sm, rows = cases[0].get("softmax") or {}, []
+        tp1 = next((cs["methods"] for cs in cases if (cs["tp"], cs["sp"]) == (1, False)), {})
         for cs in cases:
             for key, r in cs["methods"].items():
-                ours = key.startswith("ours:")
-                vs_mega, vs_tp1 = ratios(data, cs, key)
-                vs_fused, _ = ratios(data, cs, key, "megatron_fused")
+                ours, ms, mega = key.startswith("ours:"), _ms(r), [cs["methods"].get(k) for k in MEGATRON]
+                # × Megatron (fused): its time over ours, ours' memory over its; × own TP=1: that time over this
+                vs = [C.fmt_num(_over(_ms(m), ms), ".2f") if ours else "" for m in mega]
+                vs_mem = [C.fmt_num(_over(C.get(r, "mem_bytes"), C.get(m, "mem_bytes")) if ours else None, ".2f")
+                          for m in mega]
                 status = r.get("status", "?")
                 if status != "ok":
                     status = " ".join(x for x in (f"{status}:", r.get("stage"), (r.get("error") or "")[:90]) if x)
                 rows.append([cs["tp"], "on" if cs["sp"] else "off", r.get("label", key),
-                             C.fmt_num(_ms(r) if status == "ok" else C.get(r, "fwd_bwd", "median_ms"), ".2f"),
-                             C.fmt_num(C.get(r, "tflops"), ".0f"), C.fmt_num(vs_mega, ".2f") if ours else "",
-                             C.fmt_num(vs_fused, ".2f") if ours else "", C.fmt_num(vs_tp1, ".2f"),
-                             C.fmt_mib(C.get(r, "mem_bytes")), C.fmt_mib(cs["lower_bound_bytes"]),
-                             C.fmt_num(mem_ratio(cs, key) if ours else None, ".2f"),
-                             C.fmt_num(mem_ratio(cs, key, "megatron_fused") if ours else None, ".2f"),
-                             *(C.fmt_err(C.get(r, f"{x}_rel_err")) for x in ("loss", "grad_e", "grad_c")), status])
+                             C.fmt_num(ms if status == "ok" else C.get(r, "fwd_bwd", "median_ms"), ".2f"),
+                             C.fmt_num(C.get(r, "tflops"), ".0f"), *vs, C.fmt_num(_over(_ms(tp1.get(key)), ms), ".2f"),
+                             C.fmt_mib(C.get(r, "mem_bytes")), C.fmt_mib(cs["lower_bound_bytes"]), *vs_mem,
+                             *(C.fmt_num(C.get(r, f"{x}_rel_err"), ".1e") for x in ("loss", "grad_e", "grad_c")), status])
         lines += ["", f"## {regime}", "",
                   (f"softmax entries ≥ 2^-12: {C.fmt_num(100 * (C.get(sm, 'frac_ge_eps') or 0), '.4f')} % "
                    f"({C.fmt_num(C.get(sm, 'entries_ge_eps_per_row'), '.1f')} per row) · median p(target) "
@@ -422,22 +397,6 @@ def render_markdown(data: dict) -> str:
     if data.get("failures"):
         lines += ["", "**Failures:**"] + [f"- {f}" for f in data["failures"]]
     return "\n".join(lines) + "\n"
-
-
-def render(files: list[str], out: str | None, tag: str | None) -> int:
-    """Merge per-launch result files (later ones win for the same case) into one report."""
-    datas, merged = C.merge_results(files, lambda cs: (cs["regime"], cs["tp"], cs["sp"]))
-    meta = merged["meta"]
-    meta["sources"] = [Path(f).name for f in files]
-    meta["launches"] = list(dict.fromkeys(d["meta"].get("launch") for d in datas if d["meta"].get("launch")))
-    meta["tp_sizes"] = sorted({t for d in datas for t in d["meta"].get("tp_sizes", [])})
-    if any(d.get("failures") for d in datas):
-        merged["failures"] = [f for d in datas for f in d.get("failures", [])]
-    if any(d.get("aborted") for d in datas):
-        merged["aborted"] = "; ".join(d["aborted"] for d in datas if d.get("aborted"))
-    stem = C.out_stem(Path(out) if out else Path(files[0]).parent, meta, "tp" + (f"_{tag}" if tag else ""))
-    print("[bench_tp] wrote " + ", ".join(C.write_report(stem, merged, render_markdown(merged))))
-    return 0
 
 
 # ---- Main ----------------------------------------------------------------------------------------
@@ -482,19 +441,14 @@ def main(argv=None) -> int:
 
     mcore, mcore_err = import_megatron()
     methods = build_methods(C.csv_list(args.methods), mcore, mcore_err)
-    meta = C.run_metadata(d.device, args.commit)
-    meta.update({
-        "world": d.world, "backend": d.backend,
-        "launch": f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', d.world)} benchmarks/bench_tp.py "
-                  + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "tp_sizes": tp_sizes, "sp": args.sp_list, "warmup": args.warmup, "repeats": args.repeats,
-        "rounds": args.rounds, "config": {"N": shape.N, "s": args.seq, "b": args.batch, "V": V, "D": D,
-                                          "dtype": args.dtype, "shape": args.shape},
-        "regimes": {r: C.REGIMES[r] for r in args.regimes}, "time_convention": TIME_CONVENTION,
-        "memory_convention": MEMORY_CONVENTION, "flop_convention": FLOP_CONVENTION,
-        "methods": {m.key: {"label": m.label, "unavailable": m.unavailable} for m in methods},
-        "packages": {n: C.pkg_version(n) for n in ("megatron-core", "cce-parallel", "numpy")},
-    })
+    launch = " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    meta = C.run_metadata(d.device, args, methods if d.lead else [], ("megatron-core", "cce-parallel", "numpy"),
+                          "bench_tp", world=d.world, backend=d.backend, tp_sizes=tp_sizes, sp=args.sp_list,
+                          launch=f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', d.world)} "
+                                 f"-m benchmarks tp {launch}",
+                          config={"N": shape.N, "s": args.seq, "b": args.batch, "V": V, "D": D, "dtype": args.dtype,
+                                  "shape": args.shape}, time_convention=TIME_CONVENTION,
+                          memory_convention=MEMORY_CONVENTION, flop_convention=FLOP_CONVENTION)
     meta["env"].update({k: v for k, v in os.environ.items() if k.startswith("NCCL_")
                         or k in ("CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")})
     data: dict = {"meta": meta, "cases": [], "_start": time.monotonic()}
@@ -509,9 +463,6 @@ def main(argv=None) -> int:
     if d.lead:
         print(f"[bench_tp] {d.world} × {meta['device']} ({d.backend}) | torch {meta['torch']} | "
               f"megatron-core {meta['packages']['megatron-core']} | commit {meta['git_commit']}", flush=True)
-        for m in methods:
-            print(f"[bench_tp] method {m.key:<24} {m.label}" + (f"  UNAVAILABLE: {m.unavailable}" if m.unavailable
-                                                                else ""), flush=True)
 
     def run():
         for t in tp_sizes:
@@ -532,11 +483,9 @@ def main(argv=None) -> int:
             print("[bench_tp] FAILURES:\n  " + "\n  ".join(fails), file=sys.stderr, flush=True)
             rc = rc or 1
     if rc in (0, 1):
-        try:
+        with contextlib.suppress(Exception):  # shutting down anyway
             dist.barrier()
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001, S110 - shutting down anyway
-            pass
     return rc
 
 

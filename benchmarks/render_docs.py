@@ -71,8 +71,7 @@ def over_mean(stem: str, key: str = MASKED) -> dict:
     """{shape: ours with an upstream variant (Megatron's mask by default) over ours with the plain mean, paired}."""
     import bench_loss
 
-    meta = load(stem)["meta"]
-    cs = cases(stem)
+    meta, cs = load(stem)["meta"], cases(stem)
     return {s: {k: r for k, _, r in bench_loss.over_base_paired(cs[s], meta)}[key] for s in SHAPES}
 
 
@@ -292,7 +291,7 @@ def performance_mask() -> str:
         f"3.5 mini (random {xs(over_mean(f'{H200}_random').values(), 3)}; per-round ratios, commit f353185).")])
 
 
-def performance_dc_first() -> str:
+def performance_floor() -> str:
     ab, floor_st = "h100_20261125_ab", f"{H200}_trained"
     t, meta = [lst(col(ab, k), "{:.1f}".format) for k in (OURS, "ours:cce", BASE, "base:cce")], load(ab)["meta"]
     return "\n".join([header(floor_st, ab), wrap(
@@ -325,19 +324,16 @@ def performance_loss() -> str:
     rows.append((("ours, per-token random weights (the lean path after the first calls; H200, commit "
                  f"{load(f'{WEIGHTED}_trained')['meta']['git_commit'][:7]}, `{WEIGHTED}_trained.md` / `_random.md`)"),
                  [cell(wtr[s], wrd[s], WEIGHTS) for s in SHAPES]))
-    lines = [header(f"{H100}_trained", f"{H100}_random", f"{WEIGHTED}_trained", f"{WEIGHTED}_random"),
-             "| fwd+bwd ms (peak MiB above inputs), trained data (random data) | " + " | ".join(SHAPES.values()) + " |",
-             "|---|---|---|---|---|"]
-    return "\n".join(lines + [f"| {label} | {' | '.join(cells)} |" for label, cells in rows])
+    return "\n".join([header(f"{H100}_trained", f"{H100}_random", f"{WEIGHTED}_trained", f"{WEIGHTED}_random"),
+                      *C.md_table(["fwd+bwd ms (peak MiB above inputs), trained data (random data)", *SHAPES.values()],
+                                  [[label, *cells] for label, cells in rows])])
 
 
 def train_table(stem: str, memory: str) -> str:
-    lines = [header(stem), f"| loss layer | tokens/s | {memory} | last-20 loss | val ppl (step 200) |",
-             "|---|---|---|---|---|"]
-    for r in load(stem)["runs"]:
-        lines.append(f"| `{r['label']}` | {r['tokens_per_s_median']:,.0f} | {r['peak_mem_max'] / 2**30:.2f} GiB | "
-                     f"{r['final_loss_mean20']:.3f} | {r['final_val_ppl']:.1f} |")
     runs, cmp = {r["label"]: r for r in load(stem)["runs"]}, load(stem)["comparisons"][0]["losses"]
+    lines = [header(stem), *C.md_table(["loss layer", "tokens/s", memory, "last-20 loss", "val ppl (step 200)"], [
+        [f"`{r['label']}`", f"{r['tokens_per_s_median']:,.0f}", f"{r['peak_mem_max'] / 2**30:.2f} GiB",
+         f"{r['final_loss_mean20']:.3f}", f"{r['final_val_ppl']:.1f}"] for r in load(stem)["runs"]])]
     a, b = runs["cce_kahan_full_c"], runs["megatron"]
     first = "are identical" if cmp["first_step_diff"] == 0 else f"agree to {abs(cmp['first_step_diff']):.0e}".replace("e-0", "e-")
     return "\n".join(lines + ["", wrap(
@@ -459,31 +455,20 @@ def megatron_memory() -> str:
         f"{meg['step_ms']:.1f} ms (`benchmarks/results/{stem}.md`).")])
 
 
-BLOCKS = {
-    "readme-intro": readme_intro,
-    "readme-measured": readme_measured,
-    "performance-short": performance_short,
-    "performance-vs-compile": performance_vs_compile,
-    "performance-runs": performance_runs,
-    "performance-tp": performance_tp,
-    "performance-loss": performance_loss,
-    "performance-upstream": performance_upstream,
-    "performance-mask": performance_mask,
-    "performance-floor": performance_dc_first,
-    "performance-train-tp2dp2": lambda: train_table(TRAIN_TP2DP2, "peak memory per rank"),
-    "performance-train-1gpu": lambda: train_table(TRAIN_1GPU, "peak memory"),
-    "megatron-memory": megatron_memory,
-    "accuracy-short": accuracy_short,
-    "accuracy-bench": accuracy_bench,
-    "training-gemma2": training_gemma2,
-    "internals-budgets": internals_budgets,
-    "training-determinism": training_determinism,
-}
+def performance_train_tp2dp2() -> str:
+    return train_table(TRAIN_TP2DP2, "peak memory per rank")
+
+
+def performance_train_1gpu() -> str:
+    return train_table(TRAIN_1GPU, "peak memory")
+
+
+BLOCKS = {f.__name__.replace("_", "-"): f for f in (  # NAME of <!-- render:NAME --> from the function's name
+    readme_intro, readme_measured, performance_short, performance_vs_compile, performance_runs, performance_tp,
+    performance_loss, performance_upstream, performance_mask, performance_floor, performance_train_tp2dp2,
+    performance_train_1gpu, megatron_memory, accuracy_short, accuracy_bench, training_gemma2, internals_budgets,
+    training_determinism)}
 _BLOCK = re.compile(r"(<!-- render:([\w-]+) -->\n)(.*?)(<!-- /render:\2 -->)", re.DOTALL)
-
-
-def files() -> list[Path]:
-    return [C.REPO_ROOT / "README.md", *sorted((C.REPO_ROOT / "docs").glob("*.md"))]
 
 
 def rewrite(text: str) -> tuple[str, list[str]]:
@@ -501,7 +486,7 @@ def rewrite(text: str) -> tuple[str, list[str]]:
 
 def main(check: bool = False) -> int:
     stale, seen = [], []
-    for path in files():
+    for path in [C.REPO_ROOT / "README.md", *sorted((C.REPO_ROOT / "docs").glob("*.md"))]:
         text = path.read_text()
         new, names = rewrite(text)
         seen += names

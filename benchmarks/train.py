@@ -4,13 +4,7 @@
                 loss curves, tokens/s, MFU and peak memory per rank against the first run
     sweep       per loss.impl, one launch per (seq_length, micro_batch) point up to its first that
                 does not train: the largest each one trains
-    resilience  what background checkpoints, a save on SIGTERM and deterministic mode cost a run
     report      sweeps and one compare setting in one report (JSON, Markdown, PNG with matplotlib)
-
-    python -m benchmarks compare --out OUT [--recipe R --steps 300 --gbs 64 --mbs 8 --extra K=V ...]
-    python -m benchmarks compare --out OUT --runs OUT/gpt2-small-owt-cce_kahan_full_c OUT/gpt2-small-owt-megatron
-    python -m benchmarks sweep --out OUT --seq 2048 --mbs 4 8 12 16 24 --tag mbs
-    python -m benchmarks resilience --phase throughput --out OUT
 
 benchmarks/README.md gives each one's options, what it measures and its CPU smoke test.
 """
@@ -18,7 +12,6 @@ benchmarks/README.md gives each one's options, what it measures and its CPU smok
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import math
@@ -52,40 +45,22 @@ def torchrun(nproc: int, recipe: str, sets: list[str]) -> list[str]:
             "-m", "cce_parallel.train", "--recipe", recipe, "--set", *sets]
 
 
-def prepare_data(recipe: str, sets: list[str]) -> None:
-    """Tokenizer training and tokenization, once, before any torchrun launch."""
-    cmd = [sys.executable, "-m", "cce_parallel.train", "--recipe", recipe, "--prepare-data", "--set", *sets]
-    subprocess.run(cmd, cwd=ROOT, check=True)
-
-
-def launch(cmd: list[str], *, timeout: float, log: Path | None = None, env: dict | None = None,
-           metrics: Path | None = None, signal_at: int | None = None) -> dict:
-    """One launch, its process group SIGKILLed after `timeout` s (exit "timeout"); output to `log`
-    where given. With signal_at, SIGTERM to torchrun once `metrics` logs that step. Returns
-    {exit, seconds, signalled_at}."""
+def launch(cmd: list[str], *, timeout: float, log: Path) -> dict:
+    """One launch, output to `log`, its process group SIGKILLed after `timeout` s (exit "timeout").
+    Returns {exit, seconds}."""
     start = time.monotonic()
-    status = signalled = None
-    with open(log, "w") if log else contextlib.nullcontext() as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while proc.poll() is None:
-                if time.monotonic() - start > timeout:
-                    status = "timeout"
-                    break
-                if signal_at is not None and signalled is None and metrics.exists():
-                    steps = read_metrics(metrics)["train"]
-                    if max(steps, default=0) >= signal_at:
-                        signalled = max(steps)
-                        print(f"=== SIGTERM to torchrun after step {signalled}", flush=True)
-                        proc.send_signal(signal.SIGTERM)
-                time.sleep(0.2)
+            status = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status = "timeout"
         finally:
             if proc.poll() is None:  # the workers too
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return {"exit": status or proc.returncode, "seconds": time.monotonic() - start, "signalled_at": signalled}
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {"exit": status, "seconds": time.monotonic() - start}
 
 
 def throughput(train: dict, warmup: int) -> dict:
@@ -98,16 +73,6 @@ def throughput(train: dict, warmup: int) -> dict:
             "step_time_ms_median": 1000 * statistics.median(r["step_time"] for r in timed),
             "mfu_median": statistics.median(mfus) if mfus else None,
             "peak_mem_per_rank": peaks[-1] if peaks else None, "peak_mem_max": max(peaks[-1]) if peaks else None}
-
-
-def run_day(meta: dict) -> _dt.date:
-    """The day the run started (not the day of rendering)."""
-    return _dt.datetime.fromtimestamp(meta["time"], tz=_dt.timezone.utc).date()
-
-
-def versions(meta: dict) -> str:
-    return (f"commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
-            f"{run_day(meta).isoformat()}")
 
 
 def write(stem: Path, data: dict, markdown: str) -> None:
@@ -125,6 +90,9 @@ def launch_parser(command: str, *, work: str, recipe: str, nproc: int, steps: in
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--launch-timeout", type=float, default=timeout, help="seconds per launch")
     p.add_argument("--extra", nargs="*", default=[], help="more --set overrides for every run, applied last")
+    p.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"],
+                   help="loss.impl of each run; the first is the one the others are compared with")
+    p.add_argument("--tag", help="suffix of the report's file names")
     return p
 
 
@@ -220,7 +188,8 @@ def compare_launch(args) -> tuple[list[Path], int]:
             f"optim.warmup_steps={args.lr_warmup}", "eval.interval=100", "eval.iters=4", "checkpoint.interval=0",
             "checkpoint.at_end=false", "checkpoint.resume=never", "logging.interval=10", "logging.wandb=disabled",
             *args.extra]
-    prepare_data(args.recipe, sets)
+    subprocess.run([sys.executable, "-m", "cce_parallel.train", "--recipe", args.recipe, "--prepare-data", "--set",
+                    *sets], cwd=ROOT, check=True)  # tokenizer and tokens, once, before any launch
     rc, runs = 0, []
     for impl in args.impls:
         name = f"{Path(args.recipe).stem}-{impl}"
@@ -245,12 +214,9 @@ def compare(argv: list[str]) -> int:
                        steps=300, timeout=240, description="loss layers side by side in the train job; exit status "
                        "0 when every run and the report succeeded")
     ap.add_argument("--runs", nargs="+", help="run directories (each with metrics.jsonl) to compare instead of launching")
-    ap.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"],
-                    help="loss.impl of each run; the first is the one the others are compared with")
     ap.add_argument("--gbs", type=int, default=64, help="train.global_batch_size")
     ap.add_argument("--mbs", type=int, default=8, help="train.micro_batch_size")
     ap.add_argument("--lr-warmup", type=int, default=30, help="optim.warmup_steps")
-    ap.add_argument("--tag", help="suffix of the report's file names")
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (default 10)")
     ap.add_argument("--command", help="the command that produced the runs (recorded)")
     args = ap.parse_args(argv)
@@ -325,16 +291,16 @@ def sweep_points(args) -> list[dict]:
 
 def sweep_report(args, points: list[dict]) -> None:
     meta = next(p["meta"] for p in points if p.get("meta"))
-    gpu, world, day = meta["device_name"], meta["layout"]["world"], run_day(meta)
-    largest = {}
-    for p in points:
-        best = largest.get(p["impl"])
-        if p["trained"] and (best is None or (p["seq"] * p["mbs"], p["seq"]) > (best["seq"] * best["mbs"], best["seq"])):
-            largest[p["impl"]] = p
+    gpu, world = meta["device_name"], meta["layout"]["world"]
+    day = _dt.datetime.fromtimestamp(meta["time"], tz=_dt.timezone.utc).date()  # the run's, not the report's
+    largest = {i: max(done, key=lambda p: (p["seq"] * p["mbs"], p["seq"]))  # the first of the most tokens
+               for i in dict.fromkeys(p["impl"] for p in points)
+               if (done := [p for p in points if p["impl"] == i and p["trained"]])}
     first = args.impls[0]
     ref = largest.get(first)
     lines = [f"# The largest run each loss layer trains: {args.recipe}, {world}x {gpu}", "",
-             f"- {versions(meta)}; tp {meta['layout']['tp']} x dp {meta['layout']['dp']}; loss.softcap null",
+             (f"- commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
+              f"{day.isoformat()}; tp {meta['layout']['tp']} x dp {meta['layout']['dp']}; loss.softcap null"),
              f"- `python -m benchmarks sweep {' '.join(args.argv)}`", ""]
     rows = [[p["impl"], f"{p['seq']:,}", p["mbs"], ("yes" if p.get("exit", 0) == 0 else f"yes, then exit {p['exit']}") if p["trained"] else p["why"],
              f"{p['tokens_per_s']:,.0f}" if p["trained"] else "",
@@ -356,11 +322,9 @@ def sweep_report(args, points: list[dict]) -> None:
 def sweep(argv: list[str]) -> int:
     p = launch_parser("sweep", work="/tmp/cce_train_sweep", recipe="recipes/gemma-2b-owt.yaml", nproc=4, steps=4,
                       timeout=240)
-    p.add_argument("--impls", nargs="+", default=["cce_kahan_full_c", "megatron", "megatron_fused"])
     p.add_argument("--seq", nargs="+", type=int, required=True, help="sequence lengths, in the order to try")
     p.add_argument("--mbs", nargs="+", type=int, default=[1], help="micro-batches, in the order to try (per sequence)")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step and rank")
-    p.add_argument("--tag", default=None)
     p.add_argument("--report-only", action="store_true", help="render OUT/points.json again")
     args = p.parse_args(argv)
     args.argv = argv
@@ -372,170 +336,6 @@ def sweep(argv: list[str]) -> int:
         return 1
     sweep_report(args, points)
     return 0
-
-
-# ---- resilience: background checkpoints, a signal, deterministic mode ----------------------------
-
-
-def resilience_sets(args) -> list[str]:
-    work = Path(args.work)
-    return [f"run.out_dir={work / 'runs'}", "run.seed=1234", *DATA, f"data.dir={work / 'data'}",
-            "model.vocab_size=256000", f"train.steps={args.steps}", "train.micro_batch_size=4",
-            f"train.global_batch_size={16 * args.nproc}", "optim.warmup_steps=5", "eval.interval=0", "eval.iters=1",
-            "logging.interval=5", "logging.wandb=disabled", "checkpoint.keep=2", *args.extra]
-
-
-def run_once(args, out: Path, name: str, extra: list[str], *, signal_at: int | None = None, launches=()) -> list:
-    """One torchrun launch of the recipe (with signal_at, SIGTERM to torchrun once that step is
-    logged; PET_SIGNALS_TO_HANDLE: torchrun forwards it to the workers), the run added to
-    OUT/runs.json. Unless it was signalled, its checkpoints are deleted (37 GB each for the Gemma
-    recipe: the runs' checkpoints together would fill the disk). Returns its launches so far."""
-    print(f"=== {name}: {' '.join(extra)} ({time.strftime('%H:%M:%S')})", flush=True)
-    cmd = torchrun(args.nproc, args.recipe, [*resilience_sets(args), f"run.name={name}", *extra])
-    env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
-    run_dir = Path(args.work) / "runs" / name
-    launches = [*launches, launch(cmd, timeout=args.launch_timeout, env=env, metrics=run_dir / "metrics.jsonl",
-                                  signal_at=signal_at)]
-    if signal_at is None:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    m = read_metrics(run_dir / "metrics.jsonl")
-    path = out / "runs.json"
-    known = json.loads(path.read_text()) if path.exists() else {}
-    known[name] = {"name": name, "work": str(run_dir), "launches": launches, "meta": m["meta"][-1] if m["meta"] else None,
-                   **{k: m[k] for k in ("train", "checkpoint", "checkpoint_start", "resume")}}
-    path.write_text(json.dumps(known, indent=1))
-    return launches
-
-
-DETERMINISTIC = ["train.deterministic=true", "checkpoint.interval=0", "checkpoint.at_end=false"]  # a signal still saves
-
-
-def run_phase(args, out: Path) -> None:
-    """throughput: plain, then saving, then signal (SIGTERM after --signal-at steps: the save on a
-    signal, on every GPU) and its restart to the end (the checks' and the load's times). The signal
-    run saves less often than saving: torch 2.11's torchrun SIGKILLs its workers 30 s after
-    forwarding a signal, so the save on the signal must not wait for a background write still in
-    flight. determinism: det-a, det-b, then det-sig (signalled and resumed), all deterministic."""
-    if args.phase == "throughput":
-        run_once(args, out, "plain", ["checkpoint.interval=0", "checkpoint.at_end=false"])
-        run_once(args, out, "saving", [f"checkpoint.interval={args.save_every}"])
-        name, every = "signal", [f"checkpoint.interval={args.signal_save_every}"]
-    else:
-        run_once(args, out, "det-a", DETERMINISTIC)
-        run_once(args, out, "det-b", DETERMINISTIC)
-        name, every = "det-sig", DETERMINISTIC
-    run_once(args, out, name, every, launches=run_once(args, out, name, every, signal_at=args.signal_at))
-
-
-def tokens_per_s(run: dict, first: int = 1, last: int | None = None) -> float:
-    """Tokens of the steps after `first` up to `last` over the wall-clock time from the end of
-    step `first` to the end of step `last`: saves, and waits for them, included."""
-    steps = [s for s in sorted(run["train"], key=int) if int(s) >= first and (last is None or int(s) <= last)]
-    recipe = run["meta"]["recipe"]
-    tokens = (len(steps) - 1) * recipe["train"]["global_batch_size"] * recipe["model"]["seq_length"]
-    return tokens / (run["train"][steps[-1]]["time"] - run["train"][steps[0]]["time"])
-
-
-def _checkpoint_table(run: dict) -> list[str]:
-    rows = []
-    done, begun = run["checkpoint"], run["checkpoint_start"]
-    for k in sorted(set(done) | set(begun), key=int):
-        started, c = begun.get(k, {}), done.get(k)
-        if c is None:
-            rows.append([k, "", f"{started['blocked_s']:.2f} ({started['waited_s']:.2f})", "not completed", "", "", "", ""])
-            continue
-        rows.append([k, f"{c['bytes'] / 1e9:.1f}",
-                     f"{started.get('blocked_s', c['blocked_s']):.2f} ({started.get('waited_s', 0.0):.2f})",
-                     f"{c['stage_s']:.2f}", f"{c['total_s'] - c['blocked_s']:.1f}", f"{c['write_gb_per_s']:.2f}",
-                     f"{c['publish_s']:.2f}", f"{c.get('prune_s', 0.0):.2f}"])
-    header = ["step", "GB", "training blocked s (waiting for the previous save)", "staging s", "background write s",
-              "GB/s (write)", "meta.json + rename s", "pruning s"]
-    return [*C.md_table(header, rows), ""]
-
-
-def resilience_report(out: Path, recipe: str, note: str = "") -> int:
-    runs = json.loads((out / "runs.json").read_text())
-    meta = next(r["meta"] for r in runs.values() if r["meta"])
-    gpu, world, date = meta["device_name"], meta["layout"]["world"], run_day(meta).strftime("%Y%m%d")
-    lines = [f"# Checkpoints, signals and deterministic mode: {recipe}, {world}x {gpu}", "",
-             f"- {versions(meta)}" + (f"; {note}" if note else ""),
-             (f"- tp {meta['layout']['tp']} x dp {meta['layout']['dp']}, distributed optimizer "
-              f"{meta['recipe']['parallel']['distributed_optimizer']}, micro-batch "
-              f"{meta['recipe']['train']['micro_batch_size']}, {meta['layout']['accumulation']} micro-batches per step, "
-              f"seq {meta['recipe']['model']['seq_length']}; {meta['params_total'] / 1e6:.0f}M parameters"),
-             ("- command: `python -m benchmarks resilience --phase throughput|determinism` "
-              "(tokens/s: wall clock from the end of step 1 to the end of the last, saves included)"), ""]
-    summary = {"gpu": gpu, "world": world, "recipe": recipe, "commit": meta.get("commit"), "note": note, "date": date,
-               "runs": {}}
-    if "plain" in runs and "saving" in runs:
-        plain, saving = tokens_per_s(runs["plain"]), tokens_per_s(runs["saving"])
-        summary["throughput"] = {"plain_tokens_per_s": plain, "saving_tokens_per_s": saving, "ratio": saving / plain}
-        rows = [["no checkpoint", f"{plain:,.0f}", "1.000"], [
-            f"a checkpoint every {runs['saving']['meta']['recipe']['checkpoint']['interval']} steps", f"{saving:,.0f}",
-            f"{saving / plain:.3f}"]]
-        lines += ["## Background checkpoints", "", "Tokens/s from the end of step 1 to the end of the last, wall clock:",
-                  "", *C.md_table(["run", "tokens/s", "ratio"], rows), "", *_checkpoint_table(runs["saving"])]
-    if "signal" in runs:
-        run = runs["signal"]
-        sig, restart, last = run["launches"][0], run["launches"][-1], run["launches"][0]["signalled_at"]
-        saved = [int(k) for k in run["checkpoint"] if last is not None and int(k) > last]
-        signal_saved = bool(saved) and min(saved) == last + 1 and bool(run["resume"].get(str(last + 1)))
-        summary["signal"] = {"signalled_at": last, "saved_step": last + 1 if signal_saved else None,
-                             "exits": [x["exit"] for x in run["launches"]], "resumed_at": list(run["resume"])}
-        lines += ["## A signal", "",
-                  (f"A checkpoint every {run['meta']['recipe']['checkpoint']['interval']} steps; SIGTERM to torchrun "
-                   f"after step {last}: checkpoint of step {last + 1} {'written' if signal_saved else 'NOT written'}; "
-                   f"torchrun's exit status {sig['exit']} (it exits 1 after forwarding a signal); the restart resumed "
-                   f"from step(s) {list(run['resume'])} and exited {restart['exit']}."), "", *_checkpoint_table(run)]
-        for k, r in run["resume"].items():
-            lines += [(f"Resume from step {k}: checksums checked in {r['verify_s']:.1f} s, state loaded in "
-                       f"{r['load_s']:.1f} s."), ""]
-    det = [n for n in ("det-a", "det-b", "det-sig") if n in runs]
-    if det:
-        ref = det[0]
-        steps = sorted(runs[ref]["train"], key=int)
-        same = {n: all(runs[n]["train"].get(s, {}).get(k) == runs[ref]["train"][s][k]
-                       for s in steps for k in ("loss", "grad_norm")) for n in det}
-        sig = runs.get("det-sig", {})
-        resumed_at = list(sig.get("resume", {}))
-        summary["determinism"] = {"steps": len(steps), "reference": ref, "bitwise_equal": same,
-                                  "signalled_at": [x["signalled_at"] for x in sig.get("launches", [])],
-                                  "exits": [x["exit"] for x in sig.get("launches", [])], "resumed_at": resumed_at}
-        lines += ["## Deterministic mode (train.deterministic: true)", "",
-                  f"Per-step loss and gradient norm over {len(steps)} steps, compared bit for bit with {ref}:", "",
-                  *C.md_table(["run", f"bitwise equal to {ref}"], [[n, "yes" if same[n] else "NO"] for n in det])]
-        if sig:
-            lines += ["", (f"det-sig: SIGTERM to torchrun after step {summary['determinism']['signalled_at'][0]}; "
-                           f"launch exit statuses {summary['determinism']['exits']}; resumed at step(s) {resumed_at}.")]
-        if "plain" in runs:
-            d, p = tokens_per_s(runs[ref]), tokens_per_s(runs["plain"])
-            summary["determinism"].update(tokens_per_s=d, plain_tokens_per_s=p, ratio=d / p)
-            lines += ["", f"Throughput: {d:,.0f} tokens/s against {p:,.0f} without deterministic mode ({d / p:.3f}x)."]
-        lines.append("")
-    for name, r in runs.items():
-        ts = [r["train"][s]["grad_norm"] for s in sorted(r["train"], key=int)[:3]]
-        # One launch: a wall-clock span; a restart's records follow a gap.
-        summary["runs"][name] = {"launches": r["launches"],
-                                 "tokens_per_s": tokens_per_s(r) if len(r["launches"]) == 1 else None, "first_grad_norms": ts}
-    write(out / f"train_resilience_{C.gpu_slug(gpu)}x{world}_{date}", summary, "\n".join(lines))
-    return 0
-
-
-def resilience(argv: list[str]) -> int:
-    p = launch_parser("resilience", work="/tmp/cce_resilience", recipe="recipes/gemma-2b-owt.yaml", nproc=4,
-                      steps=30, timeout=300)
-    p.add_argument("--phase", choices=("throughput", "determinism", "report"), required=True)
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--signal-at", type=int, default=15)
-    p.add_argument("--signal-save-every", type=int, default=20)
-    p.add_argument("--note", default="", help="a line for the report's header (e.g. what the code was)")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.phase != "report":
-        prepare_data(args.recipe, resilience_sets(args))
-        run_phase(args, out)
-    return resilience_report(out, args.recipe, args.note)
 
 
 # ---- report: what the memory buys, one file per GPU and date -----------------------------------
@@ -655,7 +455,7 @@ def report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"compare": compare, "sweep": sweep, "resilience": resilience, "report": report}
+COMMANDS = {"compare": compare, "sweep": sweep, "report": report}
 
 
 def main(argv: list[str] | None = None) -> int:
