@@ -45,18 +45,6 @@ def _env() -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from cce_parallel.config import Recipe
-    from cce_parallel.train.data import prepare
-
-    recipe = Recipe()
-    recipe.data.dir = str(tmp_path_factory.mktemp("data") / "stdlib-bpe-1024")
-    recipe.data.max_documents = 2000
-    prepare(recipe.data)
-    return recipe.data.dir
-
-
 def _weights(hf_dir) -> dict:
     from safetensors.torch import load_file
 

@@ -32,18 +32,6 @@ COMMON = ["model.make_vocab_size_divisible_by=384", "train.steps=3", "optim.warm
           "eval.iters=1", "checkpoint.interval=0", "logging.interval=1", "data.max_documents=2000"]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from cce_parallel.config import Recipe
-    from cce_parallel.train.data import prepare
-
-    recipe = Recipe()
-    recipe.data.dir = str(tmp_path_factory.mktemp("data") / "stdlib-bpe-1024")
-    recipe.data.max_documents = 2000
-    prepare(recipe.data)
-    return recipe.data.dir
-
-
 def _export(*args):
     done = subprocess.run([sys.executable, "-m", "cce_parallel.export", *map(str, args)], cwd=ROOT, env=train_env(),
                           capture_output=True, text=True, timeout=300, check=False)
