@@ -75,8 +75,12 @@ def throughput(train: dict, warmup: int) -> dict:
             "peak_mem_per_rank": peaks[-1] if peaks else None, "peak_mem_max": max(peaks[-1]) if peaks else None}
 
 
-def write(stem: Path, data: dict, markdown: str) -> None:
+def write(stem: Path, data: dict) -> None:
+    """stem.json, stem.md and (with matplotlib) stem.png of report_data's data."""
+    markdown = report_md(data)
     C.write_report(stem, data, markdown)
+    if not report_png(data, stem.with_suffix(".png")):
+        print("matplotlib unavailable: no PNG written")
     print(markdown)
 
 
@@ -141,41 +145,14 @@ def summarize(run: dict, warmup: int) -> dict:
 
 
 def compare_losses(a: dict, b: dict) -> dict:
-    common = sorted(set(a["train"]) & set(b["train"]))
-    diffs = [a["train"][s]["loss"] - b["train"][s]["loss"] for s in common]
-    evals = sorted(set(a["eval"]) & set(b["eval"]))
-    return {"steps_compared": len(common), "max_abs_diff": max((abs(d) for d in diffs), default=None),
+    """b's loss curves against a's (two summaries of report_data)."""
+    (ta, va), (tb, vb) = ((dict(r["train_curve"]), dict(r["val_curve"])) for r in (a, b))
+    diffs = [ta[s] - tb[s] for s in sorted(set(ta) & set(tb))]
+    return {"a": a["label"], "b": b["label"], "steps_compared": len(diffs),
+            "max_abs_diff": max((abs(d) for d in diffs), default=None),
             "mean_diff_last50": statistics.mean(diffs[-50:]) if diffs else None,
             "first_step_diff": diffs[0] if diffs else None,
-            "val_loss_diff": {s: a["eval"][s]["val_loss"] - b["eval"][s]["val_loss"] for s in evals}}
-
-
-def compare_md(data: dict) -> str:
-    m, runs, r0 = data["meta"], data["runs"], data["runs"][0]
-    lines = [f"# Training with CCE vs megatron-core's loss layer: {m['device']} x {r0['layout']['world']}", "",
-             f"{m['date']} · commit `{m['git_commit']}` · torch {r0['torch']} · megatron-core {r0['megatron_core']}", "",
-             (f"Model: {r0['params'] / 1e6:.1f}M parameters, vocabulary {r0['vocab']:,} (padded), {r0['dtype']}, layout "
-              f"tp {r0['layout']['tp']} x pp {r0['layout']['pp']} x dp {r0['layout']['dp']}, "
-              f"{r0['tokens_per_step']:,} tokens/step, {r0['steps']} steps. "
-              f"Throughput: median over steps after {data['warmup']}."), ""]
-    rows = []
-    for r in runs:
-        peaks = " / ".join(f"{p / 2**30:.2f}" for p in r["peak_mem_per_rank"]) if r["peak_mem_per_rank"] else "–"
-        mfu = f"{100 * r['mfu_median']:.1f}%" if r["mfu_median"] is not None else "–"
-        rows.append([r["label"], f"{r['tokens_per_s_median']:,.0f}", f"{r['step_time_ms_median']:.0f}", mfu, peaks,
-                     f"{r['first_loss']:.4f}", f"{r['final_loss_mean20']:.4f}", C.fmt_num(r["final_val_loss"], ".4f"),
-                     C.fmt_num(r["final_val_ppl"], ".2f")])
-    lines += C.md_table(["loss layer", "tokens/s", "ms/step", "MFU", "peak memory per rank (GiB)", "first loss",
-                         "last-20 loss", "val loss", "val ppl"], rows)
-    for pair in data["comparisons"]:
-        c = pair["losses"]
-        val = ", ".join(f"step {s}: {d:+.4f}" for s, d in c["val_loss_diff"].items()) or "–"
-        lines += ["", (f"{pair['a']} − {pair['b']}: first-step loss difference {C.fmt_num(c['first_step_diff'], '.2e')}, "
-                       f"max |difference| over {c['steps_compared']} steps {C.fmt_num(c['max_abs_diff'], '.3f')}, "
-                       f"mean difference over the last 50 steps {C.fmt_num(c['mean_diff_last50'], '.4f')}; "
-                       f"validation loss differences {val}.")]
-    lines += ["", f"Command: `{m['command']}`", "", *(f"- {r['label']}: `{r['command']}`" for r in runs)]
-    return "\n".join(lines) + "\n"
+            "val_loss_diff": {s: va[s] - vb[s] for s in sorted(set(va) & set(vb))}}
 
 
 def compare_launch(args) -> tuple[list[Path], int]:
@@ -224,19 +201,13 @@ def compare(argv: list[str]) -> int:
     rc = 0
     if args.runs is None:
         args.runs, rc = compare_launch(args)
-    runs = [read_run(Path(d)) for d in args.runs]
-    summaries = [summarize(r, args.warmup) for r in runs]
-    unique_labels(summaries, [r["meta"] for r in runs])
-    device = summaries[0]["device_name"]
-    meta = {"device": device, "gpu": C.gpu_slug(device), "git_commit": summaries[0]["commit"] or C.git_commit(),
-            "date": C.utc_now(), "command": args.command or " ".join([sys.executable, *sys.argv])}
-    comparisons = [{"a": summaries[0]["label"], "b": s["label"], "losses": compare_losses(runs[0], r)}
-                   for r, s in zip(runs[1:], summaries[1:])]
-    data = {"meta": meta, "warmup": args.warmup, "runs": summaries, "comparisons": comparisons}
-    day = meta["date"][:10].replace("-", "")
-    stem = Path(args.out) / (f"train_compare_{meta['gpu']}_{day}" + (f"_{args.tag}" if args.tag else ""))
-    write(stem, data, compare_md(data))
-    return rc or int(not all(math.isfinite(s["final_loss_mean20"]) for s in summaries))
+    data = report_data([], [Path(d) for d in args.runs], args.warmup)
+    device = data["gpu"]
+    data["meta"] = {"device": device, "git_commit": data["runs"][0]["commit"] or C.git_commit(), "date": C.utc_now(),
+                    "command": args.command or " ".join([sys.executable, *sys.argv])}
+    day = data["meta"]["date"][:10].replace("-", "")
+    write(Path(args.out) / (f"train_compare_{C.gpu_slug(device)}_{day}" + (f"_{args.tag}" if args.tag else "")), data)
+    return rc or int(not all(math.isfinite(r["final_loss_mean20"]) for r in data["runs"]))
 
 
 # ---- sweep: the largest run each loss.impl trains ------------------------------------------------
@@ -290,33 +261,15 @@ def sweep_points(args) -> list[dict]:
 
 
 def sweep_report(args, points: list[dict]) -> None:
+    """OUT/train_sweep_<gpu>x<world>_<date>.{json,md,png}: the report of OUT/points.json."""
     meta = next(p["meta"] for p in points if p.get("meta"))
     gpu, world = meta["device_name"], meta["layout"]["world"]
     day = _dt.datetime.fromtimestamp(meta["time"], tz=_dt.timezone.utc).date()  # the run's, not the report's
-    largest = {i: max(done, key=lambda p: (p["seq"] * p["mbs"], p["seq"]))  # the first of the most tokens
-               for i in dict.fromkeys(p["impl"] for p in points)
-               if (done := [p for p in points if p["impl"] == i and p["trained"]])}
-    first = args.impls[0]
-    ref = largest.get(first)
-    lines = [f"# The largest run each loss layer trains: {args.recipe}, {world}x {gpu}", "",
-             (f"- commit {meta.get('commit')}, torch {meta['torch']}, megatron-core {meta['megatron_core']}, "
-              f"{day.isoformat()}; tp {meta['layout']['tp']} x dp {meta['layout']['dp']}; loss.softcap null"),
-             f"- `python -m benchmarks sweep {' '.join(args.argv)}`", ""]
-    rows = [[p["impl"], f"{p['seq']:,}", p["mbs"], ("yes" if p.get("exit", 0) == 0 else f"yes, then exit {p['exit']}") if p["trained"] else p["why"],
-             f"{p['tokens_per_s']:,.0f}" if p["trained"] else "",
-             f"{(p['peak_mem_max'] or 0) / 2**30:.1f}" if p["trained"] else ""] for p in points]
-    lines += C.md_table(["loss.impl", "sequence", "micro-batch", "trained", "tokens/s", "peak memory per rank (GiB)"],
-                        rows)
-    rows = [[impl, "none trained", "", ""] if (p := largest.get(impl)) is None else
-            [impl, f"{p['seq']:,} x {p['mbs']}", f"{p['seq'] * p['mbs']:,}",
-             f"{ref['seq'] * ref['mbs'] / (p['seq'] * p['mbs']):.2f}" if ref else ""] for impl in args.impls]
-    lines += ["", *C.md_table(["loss.impl", "largest (sequence x micro-batch)", "tokens", f"{first}'s tokens over it"],
-                              rows)]
-    name = f"train_sweep_{C.gpu_slug(gpu)}x{world}_{day.strftime('%Y%m%d')}" + (f"_{args.tag}" if args.tag else "")
-    summary = {"gpu": gpu, "world": world, "recipe": args.recipe, "commit": meta.get("commit"), "date": day.isoformat(),
-               "command": args.argv, "largest": {k: {"seq": v["seq"], "mbs": v["mbs"]} for k, v in largest.items()},
-               "points": [{k: v for k, v in p.items() if k != "meta"} for p in points]}
-    write(Path(args.out) / name, summary, "\n".join(lines) + "\n")
+    data = report_data([Path(args.out) / "points.json"], [], 0)
+    data["sweeps"][0].update(recipe=args.recipe, gpu=gpu, world=world, commit=meta.get("commit"), command=args.argv)
+    data["gpu"] = gpu
+    write(Path(args.out) / (f"train_sweep_{C.gpu_slug(gpu)}x{world}_{day.strftime('%Y%m%d')}"
+                            + (f"_{args.tag}" if args.tag else "")), data)
 
 
 def sweep(argv: list[str]) -> int:
@@ -373,6 +326,7 @@ def report_data(sweeps: list[Path], runs: list[Path], warmup: int) -> dict:
                              "train_curve": [[s, r["loss"]] for s, r in sorted(run["train"].items())],
                              "val_curve": [[s, r["val_loss"]] for s, r in sorted(run["eval"].items())]})
     unique_labels(data["runs"], metas)
+    data["comparisons"] = [compare_losses(data["runs"][0], r) for r in data["runs"][1:]]
     meta = next((r for r in data["runs"]), None) or next((s for s in data["sweeps"] if s.get("gpu")), {})
     data["gpu"] = meta.get("device_name") or meta.get("gpu")
     return data
@@ -380,12 +334,15 @@ def report_data(sweeps: list[Path], runs: list[Path], warmup: int) -> dict:
 
 def report_md(data: dict) -> str:
     lines = [f"# What the loss layer's memory buys: {data['gpu']}", ""]
+    if "meta" in data:
+        lines += [f"{data['meta']['date']} · commit `{data['meta']['git_commit']}` · `{data['meta']['command']}`", ""]
     for sw in data["sweeps"]:
         impls = list(sw["series"])
         lines += [f"## {sw.get('recipe') or 'sweep'}: against {sw['axis']} ({', '.join(sw['files'])})", ""]
         xs = sorted({q[sw["axis"]] for ps in sw["series"].values() for q in ps})
-        cell = {(impl, q[sw["axis"]]): (f"{q['tokens_per_s']:,.0f} · {q['peak_mem_max'] / 2**30:.1f}" if q["trained"]
-                                         else q.get("why", "no")) for impl, ps in sw["series"].items() for q in ps}
+        cell = {(impl, q[sw["axis"]]): (f"{q['tokens_per_s']:,.0f} · {q['peak_mem_max'] / 2**30:.1f}"
+                                         + (f" (then exit {q['exit']})" if q.get("exit", 0) != 0 else "")
+                                         if q["trained"] else q.get("why", "no")) for impl, ps in sw["series"].items() for q in ps}
         lines += C.md_table([sw["axis"], *(f"{i}: tokens/s · peak GiB per rank" for i in impls)],
                             [[f"{x:,}", *(cell.get((i, x), "") for i in impls)] for x in xs])
         ref = sw["largest"].get(impls[0])
@@ -403,6 +360,13 @@ def report_md(data: dict) -> str:
                               C.fmt_num(r["final_val_loss"], ".4f"),
                               C.fmt_num(r["final_val_loss"] and r["final_val_loss"] / ref["final_val_loss"], ".4f")]
                              for r in data["runs"]])
+        for c in data.get("comparisons", []):
+            val = ", ".join(f"step {s}: {d:+.4f}" for s, d in c["val_loss_diff"].items()) or "–"
+            lines += ["", (f"{c['a']} − {c['b']}: first-step loss difference {C.fmt_num(c['first_step_diff'], '.2e')}, "
+                           f"max |difference| over {c['steps_compared']} steps {C.fmt_num(c['max_abs_diff'], '.3f')}, "
+                           f"mean over the last 50 steps {C.fmt_num(c['mean_diff_last50'], '.4f')}; validation loss "
+                           f"differences {val}.")]
+        lines += ["", *(f"- {r['label']}: `{r['command']}`" for r in data["runs"])]
     return "\n".join(lines) + "\n"
 
 
@@ -448,10 +412,7 @@ def report(argv: list[str]) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--name", required=True, help="the report's file name, without suffix")
     args = p.parse_args(argv)
-    data = report_data(args.sweeps, args.runs, args.warmup)
-    write(args.out / args.name, data, report_md(data))
-    if not report_png(data, (args.out / args.name).with_suffix(".png")):
-        print("matplotlib unavailable: no PNG written")
+    write(args.out / args.name, report_data(args.sweeps, args.runs, args.warmup))
     return 0
 
 

@@ -31,9 +31,11 @@ def test_sweep_stops_at_the_first_failure_and_reports_the_largest(tmp_path, monk
                        "--seq", "2048", "4096", "8192", "16384"]) == 0
     assert tried == [("cce", 2048), ("cce", 4096), ("cce", 8192), ("cce", 16384), ("megatron", 2048),
                      ("megatron", 4096)]
-    summary = json.loads(next(out.glob("train_sweep_h200x4_*.json")).read_text())
-    assert summary["largest"] == {"cce": {"seq": 8192, "mbs": 1}, "megatron": {"seq": 2048, "mbs": 1}}
-    assert "| megatron | 2,048 x 1 | 2,048 | 4.00 |" in next(out.glob("train_sweep_h200x4_*.md")).read_text()
+    (sweep,) = json.loads(next(out.glob("train_sweep_h200x4_*.json")).read_text())["sweeps"]
+    assert sweep["largest"] == {"cce": 8192, "megatron": 2048} and sweep["recipe"] == "recipes/gemma-2b-owt.yaml"
+    md = next(out.glob("train_sweep_h200x4_*.md")).read_text()
+    assert "Largest that trains: cce 8,192; megatron 2,048 (4.00x of it for cce)." in md
+    assert "| 4,096 | 1,000 · 1.0 | out of memory |" in md
 
 
 def test_report_merges_sweeps_and_compares_runs(tmp_path):
@@ -88,3 +90,22 @@ def test_sweep_point_counts_a_run_that_logged_every_step_then_failed_as_trained(
     monkeypatch.setattr(train, "launch", fake_launch(1))
     point = train.sweep_point(args, "megatron", 65536, 1)
     assert not point["trained"] and point["why"].startswith("exit 1")
+
+
+def test_compare_of_committed_runs_reports_tokens_per_s_and_loss_differences(tmp_path):
+    """`compare --runs` on the committed Gemma 2 2B runs: one report, the others against the first."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runs = ROOT / "benchmarks" / "results" / "train_compare_h100x4_20261127"
+    impls = ("cce_kahan_full_c", "megatron", "megatron_fused")
+    assert train.main(["compare", "--out", str(tmp_path), "--runs", *(str(runs / f"gemma-2b-owt-{i}") for i in impls),
+                       "--command", "test"]) == 0
+    data = json.loads(next(tmp_path.glob("train_compare_h100_*.json")).read_text())
+    assert [r["label"] for r in data["runs"]] == ["cce_kahan_full_c", "megatron", "megatron_fused (native)"]
+    assert [c["b"] for c in data["comparisons"]] == ["megatron", "megatron_fused (native)"]
+    assert data["comparisons"][0]["steps_compared"] == 300 and abs(data["comparisons"][0]["first_step_diff"]) < 1e-4
+    md = next(tmp_path.glob("train_compare_h100_*.md")).read_text()
+    assert "| cce_kahan_full_c | 84,777 | 1.095 |" in md and "| megatron | 77,409 | 1.000 |" in md
