@@ -103,14 +103,6 @@ def launch_parser(command: str, *, work: str, recipe: str, nproc: int, steps: in
 # ---- compare: runs of one recipe that differ in loss.impl ----------------------------------------
 
 
-def read_run(run_dir: Path) -> dict:
-    """meta (the last start's), train and eval records by step (the last record of each step wins)."""
-    m = read_metrics(run_dir / "metrics.jsonl")
-    if not m["meta"] or not m["train"]:
-        raise ValueError(f"{run_dir}/metrics.jsonl holds no run (meta: {bool(m['meta'])}, steps: {len(m['train'])})")
-    return {"dir": str(run_dir), "meta": m["meta"][-1], "train": m["train"], "eval": m["eval"]}
-
-
 def run_label(meta: dict) -> str:
     """loss.impl, with the fusion megatron_fused ran: megatron-core's cross_entropy_fusion_impl
     (the job's meta ``loss_fusion``; the recipe's loss.fusion_impl where an older run lacks it)."""
@@ -120,20 +112,17 @@ def run_label(meta: dict) -> str:
     return f"megatron_fused ({meta.get('loss_fusion') or loss.get('fusion_impl', '?')})"
 
 
-def unique_labels(summaries: list[dict], metas: list[dict]) -> None:
-    """Runs of one loss.impl (an A/B of something else) are told apart by their run names."""
-    if len({s["label"] for s in summaries}) < len(summaries):
-        for s, meta in zip(summaries, metas):
-            s["label"] += f" ({meta['recipe']['run']['name']})"
-
-
-def summarize(run: dict, warmup: int) -> dict:
-    meta, train = run["meta"], run["train"]
+def summarize(run_dir: Path, warmup: int) -> dict:
+    """A run's figures and loss curves, from its metrics.jsonl (the last start's meta; the last record of a step)."""
+    m = read_metrics(run_dir / "metrics.jsonl")
+    if not m["meta"] or not m["train"]:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds no run (meta: {bool(m['meta'])}, steps: {len(m['train'])})")
+    meta, train, evals = m["meta"][-1], m["train"], m["eval"]
     steps = sorted(train)
-    last_eval = run["eval"][max(run["eval"])] if run["eval"] else None
+    last_eval = evals[max(evals)] if evals else None
     tail = [train[s]["loss"] for s in steps[-min(20, len(steps)):]]
     return {
-        "label": run_label(meta), "run_dir": run["dir"], "steps": len(steps),
+        "label": run_label(meta), "run_name": meta["recipe"]["run"]["name"], "run_dir": str(run_dir), "steps": len(steps),
         "tokens_per_step": meta["recipe"]["train"]["global_batch_size"] * meta["recipe"]["model"]["seq_length"],
         **throughput(train, warmup),
         "first_loss": train[steps[0]]["loss"], "final_loss_mean20": sum(tail) / len(tail),
@@ -141,6 +130,8 @@ def summarize(run: dict, warmup: int) -> dict:
         "final_val_ppl": last_eval["val_ppl"] if last_eval else None,
         "params": meta["params_total"], "vocab": meta["vocab_size"], "layout": meta["layout"], "dtype": meta["dtype"],
         "device_name": meta["device_name"], **{k: meta.get(k) for k in ("commit", "command", "torch", "megatron_core")},
+        "train_curve": [[s, r["loss"]] for s, r in sorted(train.items())],
+        "val_curve": [[s, r["val_loss"]] for s, r in sorted(evals.items())],
     }
 
 
@@ -318,14 +309,10 @@ def report_data(sweeps: list[Path], runs: list[Path], warmup: int) -> dict:
         axis, series = sweep_series(entry.pop("points"))
         largest = {impl: max((q[axis] for q in ps if q["trained"]), default=None) for impl, ps in series.items()}
         data["sweeps"].append({**entry, "axis": axis, "series": series, "largest": largest})
-    metas = []
-    for run_dir in runs:
-        run = read_run(run_dir)
-        metas.append(run["meta"])
-        data["runs"].append({**summarize(run, warmup),
-                             "train_curve": [[s, r["loss"]] for s, r in sorted(run["train"].items())],
-                             "val_curve": [[s, r["val_loss"]] for s, r in sorted(run["eval"].items())]})
-    unique_labels(data["runs"], metas)
+    data["runs"] = [summarize(run_dir, warmup) for run_dir in runs]
+    if len({r["label"] for r in data["runs"]}) < len(runs):  # runs of one loss.impl: told apart by their names
+        for r in data["runs"]:
+            r["label"] += f" ({r['run_name']})"
     data["comparisons"] = [compare_losses(data["runs"][0], r) for r in data["runs"][1:]]
     meta = next((r for r in data["runs"]), None) or next((s for s in data["sweeps"] if s.get("gpu")), {})
     data["gpu"] = meta.get("device_name") or meta.get("gpu")
