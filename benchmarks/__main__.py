@@ -7,8 +7,6 @@
              largest run each loss.impl trains, one report of both
     render   ``--docs [--check]``, no GPU: rewrite (or check) the generated blocks of README.md and
              docs/*.md from the result files they name
-    baseline REF DIR   write cce_parallel as it is at git REF to DIR/cce_parallel_<sha>, for
-             ``loss --baseline DIR/cce_parallel_<sha> --methods ours:...,base:...``
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
-import _common as C
 import bench_loss
 import bench_tp
 
@@ -37,29 +34,19 @@ def render(argv: list[str]) -> int:
     return render_docs.main(check=a.check)
 
 
-def baseline(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks baseline")
-    p.add_argument("ref", help="a git ref of this checkout")
-    p.add_argument("dir", help="folder to write cce_parallel_<sha> into")
-    a = p.parse_args(argv)
-    Path(a.dir).mkdir(parents=True, exist_ok=True)
-    print(C.export_baseline(a.ref, Path(a.dir)))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    commands = {"loss": bench_loss.main, "tp": bench_tp.main, "render": render, "baseline": baseline}
+    commands = {"loss": bench_loss.main, "tp": bench_tp.main, "render": render}
     if argv[0] in commands:
         return commands[argv[0]](argv[1:])
     if argv[0] in ("compare", "sweep", "report"):
         import train
 
         return train.main(argv)
-    raise SystemExit(f"unknown command {argv[0]!r}; known: loss, tp, compare, sweep, report, render, baseline")
+    raise SystemExit(f"unknown command {argv[0]!r}; known: loss, tp, compare, sweep, report, render")
 
 
 if __name__ == "__main__":

@@ -639,48 +639,8 @@ def md_table(header: list[str], rows) -> list[str]:
     return [row(header), "|" + "---|" * len(header), *map(row, rows)]
 
 
-# ---- A baseline: cce_parallel as it was at another commit, imported beside this one --------------
-
-BASELINE_PREFIX = "cce_parallel_"
-
-
-def export_baseline(ref: str, out_dir: Path) -> Path:
-    """Write cce_parallel as it is at git `ref` to out_dir/cce_parallel_<sha>, every reference to
-    the package renamed, so that it imports beside this checkout's. Returns that folder."""
-    import io
-    import tarfile
-
-    sha = subprocess.run(["git", "rev-parse", "--short=10", f"{ref}^{{commit}}"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, check=True).stdout.strip()
-    name = BASELINE_PREFIX + sha
-    blob = subprocess.run(["git", "archive", sha, "cce_parallel"], cwd=REPO_ROOT, capture_output=True,
-                          check=True).stdout
-    dest = Path(out_dir) / name
-    if dest.exists():
-        raise SystemExit(f"baseline: {dest} exists")
-    staging = Path(out_dir) / f".{name}.tmp"
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(staging, filter="data")
-    for path in (staging / "cce_parallel").rglob("*.py"):
-        path.write_text(re.sub(r"\bcce_parallel\b", name, path.read_text()))
-    (staging / "cce_parallel").rename(dest)
-    staging.rmdir()
-    return dest
-
-
-def import_baseline(spec: str):
-    """The baseline package: a folder written by export_baseline."""
-    import importlib
-
-    path = Path(spec)
-    if not (path.is_dir() and path.name.startswith(BASELINE_PREFIX)):
-        raise SystemExit(f"--baseline {spec!r}: not a folder written by `python -m benchmarks baseline`")
-    sys.path.insert(0, str(path.parent.resolve()))
-    return importlib.import_module(path.name)
-
-
 def expand_ours(key: str, impls: list[str]) -> list[tuple[str, str, str | None, object]]:
-    """``ours[:<impl>[@<budget>]]`` (``base...`` alike) as (key, impl, budget text, logits_budget),
+    """``ours[:<impl>[@<budget>]]`` as (key, impl, budget text, logits_budget),
     one per impl: without an impl every impl of `impls` but torch. The budget: "lean", "auto" (the
     default), bytes, or <n>g / <n>m."""
     prefix, _, spec = key.partition(":")

@@ -107,21 +107,16 @@ def _cutce(mod):
     return lambda: lambda e, c, t: mod.linear_cross_entropy(e, c, t, impl="cce", reduction="mean")
 
 
-def _ours(key: str, out: list, baseline) -> None:
-    """`ours[:<impl>][@<budget>][/<upstream>]` (or `base...`, the --baseline package) into `out`."""
+def _ours(key: str, out: list) -> None:
+    """`ours[:<impl>][@<budget>][/<upstream>]` into `out`."""
     spec, _, upstream = key.partition("/")
     if upstream not in ("", *UPSTREAMS):
         raise SystemExit(f"unknown upstream {upstream!r} in {key!r}: {', '.join(UPSTREAMS)}")
-    if spec.startswith("base"):
-        if baseline is None:
-            raise SystemExit(f"method {key!r} needs --baseline")
-        pkg = baseline
-    else:
-        try:
-            import cce_parallel as pkg
-        except Exception as exc:  # noqa: BLE001
-            out.append(Method(key, "cce_parallel", unavailable=C.short_error(exc)))
-            return
+    try:
+        import cce_parallel as pkg
+    except Exception as exc:  # noqa: BLE001
+        out.append(Method(key, "cce_parallel", unavailable=C.short_error(exc)))
+        return
     package, impls = pkg.__name__, list(getattr(pkg, "IMPLS", ()))
     for mkey, impl, text, budget in C.expand_ours(spec, impls):
         mkey += f"/{upstream}" if upstream else ""
@@ -135,10 +130,7 @@ def _ours(key: str, out: list, baseline) -> None:
             # Each method runs as in a process of its own: the process-wide switches a per-token
             # backward sets (lean path after /weighted, fp32 gradients after /unfolded) must not
             # carry over between methods that take turns, so each call sets them as it alone would.
-            try:  # where the switches live (ops/autograd.py in older baselines)
-                learned = importlib.import_module(f"{package}.ops.upstream")
-            except ImportError:
-                learned = importlib.import_module(f"{package}.ops.autograd")
+            learned = importlib.import_module(f"{package}.ops.upstream")
             if not upstream:
                 base = lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)
             else:
@@ -148,8 +140,7 @@ def _ours(key: str, out: list, baseline) -> None:
 
             def loss(e, c, t):
                 learned.per_token_weights_seen = upstream == "weighted" and calls[0] > 0
-                if hasattr(learned, "masked_weights_seen"):  # a baseline package may predate it
-                    learned.masked_weights_seen = upstream == "unfolded" and calls[0] > 0
+                learned.masked_weights_seen = upstream == "unfolded" and calls[0] > 0
                 calls[0] += 1
                 return base(e, c, t)
 
@@ -160,8 +151,7 @@ def _ours(key: str, out: list, baseline) -> None:
         out.append(Method(mkey, label, make, info={"impl": impl, "logits_budget": budget, "upstream": upstream or None}))
 
 
-def build_methods(keys: list[str], baseline=None) -> list[Method]:
-    """baseline: the package that `base[:...]` methods call (C.import_baseline), or None."""
+def build_methods(keys: list[str]) -> list[Method]:
     out: list[Method] = []
     for key in keys:
         if key == "eager":
@@ -172,11 +162,10 @@ def build_methods(keys: list[str], baseline=None) -> list[Method]:
             out.append(_peer("liger", "liger-kernel FLCE", "liger_kernel.transformers", "liger-kernel", _liger))
         elif key == "cutce":
             out.append(_peer("cutce", "cut-cross-entropy (cce)", "cut_cross_entropy", "cut-cross-entropy", _cutce))
-        elif key.partition("/")[0].partition(":")[0] in ("ours", "base"):
-            _ours(key, out, baseline)
+        elif key.partition("/")[0].partition(":")[0] == "ours":
+            _ours(key, out)
         else:
-            raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, "
-                             "ours, ours:<impl>, base, base:<impl>")
+            raise SystemExit(f"unknown method {key!r}; known: eager, compile, liger, cutce, ours, ours:<impl>")
     return out
 
 
@@ -325,13 +314,10 @@ def render_markdown(data: dict) -> str:
 
 
 def parse_args(argv=None):
-    methods_help = ("eager, compile, liger, cutce, "
-                    "ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted], base[...] for --baseline")
+    methods_help = "eager, compile, liger, cutce, ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted]"
     p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
     p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens N for the model shapes")
-    p.add_argument("--baseline", default=None, metavar="DIR",
-                   help="the cce_parallel of base[...] methods: a folder from `python -m benchmarks baseline`")
     smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "tokens": 64,
              "warmup": 1, "repeats": 3, "methods": "eager,ours:torch"}
     return C.parse_run_args(p, argv, smoke)
@@ -350,7 +336,7 @@ def main(argv=None) -> int:
     shapes = [C.parse_shape(s, args.tokens, table) for s in C.csv_list(args.shapes)]
     # Shape-major order: a second regime of the same shape reuses compiled / autotuned kernels.
     cases = [(s, r) for s in shapes for r in args.regimes]
-    methods = build_methods(C.csv_list(args.methods), C.import_baseline(args.baseline) if args.baseline else None)
+    methods = build_methods(C.csv_list(args.methods))
     meta = C.run_metadata(device, args, methods, ("liger-kernel", "cut-cross-entropy", "cce-parallel",
                                                   "megatron-core", "numpy"), "bench_loss",
                           flop_convention=FLOP_CONVENTION, memory_convention=MEMORY_CONVENTION)
