@@ -198,8 +198,8 @@ def _shard_index(engine, optim_key: str, tensors: dict, *, rank: int, coords: tu
     index = {"format": 1, "rank": rank, "tp": tp, "pp": pp, "dp": dp}
     try:
         index["params"] = _shard_entries(engine, optim_key, tensors)
-    except _NoIndex as err:
-        index["error"] = str(err)
+    except Exception as err:  # noqa: BLE001 - the index serves the export: it never costs the save
+        index["error"] = str(err) if isinstance(err, _NoIndex) else f"{type(err).__name__}: {err}"
     return index
 
 

@@ -242,3 +242,17 @@ def test_checksums_cover_the_shard_index(ranks, tmp_path, dist_group, monkeypatc
     file.write_text(file.read_text().replace('"start": 0', '"start": 1', 1))
     with pytest.raises(CheckpointError, match="rank1.shards.json is corrupt"):
         read_checkpoint(path)
+
+
+def test_a_failure_to_index_the_shards_never_fails_the_save(monkeypatch):
+    """What megatron-core gives could change under the index's feet: any error becomes the index's
+    reason (the export refuses it with that reason), and the checkpoint is still written."""
+    from cce_parallel.train import checkpoint_state
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'Buffer' object has no attribute 'optimizer_named_parameters'")
+
+    monkeypatch.setattr(checkpoint_state, "_shard_entries", broken)
+    index = checkpoint_state._shard_index(None, "tp0_pp0/optim", {}, rank=1, coords=(0, 0, 1))
+    assert index["rank"] == 1 and "params" not in index
+    assert index["error"] == "AttributeError: 'Buffer' object has no attribute 'optimizer_named_parameters'"
