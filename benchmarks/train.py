@@ -124,6 +124,7 @@ def summarize(run_dir: Path, warmup: int) -> dict:
     return {
         "label": run_label(meta), "run_name": meta["recipe"]["run"]["name"], "run_dir": str(run_dir), "steps": len(steps),
         "tokens_per_step": meta["recipe"]["train"]["global_batch_size"] * meta["recipe"]["model"]["seq_length"],
+        "seq_length": meta["recipe"]["model"]["seq_length"], "micro_batch_size": meta["recipe"]["train"]["micro_batch_size"],
         **throughput(train, warmup),
         "first_loss": train[steps[0]]["loss"], "final_loss_mean20": sum(tail) / len(tail),
         "final_val_loss": last_eval["val_loss"] if last_eval else None,
