@@ -99,13 +99,13 @@ def test_compare_of_committed_runs_reports_tokens_per_s_and_loss_differences(tmp
         import train
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    runs = ROOT / "benchmarks" / "results" / "train_compare_h100x4_20261127"
+    runs = ROOT / "benchmarks" / "results" / "train_report_h200x4_20261127" / "seed1234"
     impls = ("cce_kahan_full_c", "megatron", "megatron_fused")
     assert train.main(["compare", "--out", str(tmp_path), "--runs", *(str(runs / f"gemma-2b-owt-{i}") for i in impls),
                        "--command", "test"]) == 0
-    data = json.loads(next(tmp_path.glob("train_compare_h100_*.json")).read_text())
+    data = json.loads(next(tmp_path.glob("train_compare_h200_*.json")).read_text())
     assert [r["label"] for r in data["runs"]] == ["cce_kahan_full_c", "megatron", "megatron_fused (native)"]
     assert [c["b"] for c in data["comparisons"]] == ["megatron", "megatron_fused (native)"]
     assert data["comparisons"][0]["steps_compared"] == 300 and abs(data["comparisons"][0]["first_step_diff"]) < 1e-4
-    md = next(tmp_path.glob("train_compare_h100_*.md")).read_text()
-    assert "| cce_kahan_full_c | 84,777 | 1.095 |" in md and "| megatron | 77,409 | 1.000 |" in md
+    md = next(tmp_path.glob("train_compare_h200_*.md")).read_text()
+    assert "| cce_kahan_full_c | 90,312 | 1.110 |" in md and "| megatron | 81,379 | 1.000 |" in md
