@@ -150,7 +150,8 @@ def compare_losses(a: dict, b: dict) -> dict:
 def compare_launch(args) -> tuple[list[Path], int]:
     """The recipe once per --impls (tp and dp as the recipe and --nproc give), on the same data and
     seed, each one torchrun launch killed after --launch-timeout s; runs, data and checkpoints in
-    --work. OUT/<recipe>-<impl> gets each run's metrics.jsonl, recipe.yaml and train.log."""
+    --work. OUT/<recipe>-<impl> gets each run's metrics.jsonl, recipe.yaml and train.log. Returns the
+    runs and 1 when one of them logged fewer than --steps steps, else 0."""
     work, out = Path(args.work).resolve(), Path(args.out).resolve()
     sets = [f"run.out_dir={work / 'runs'}", "run.seed=1234", *DATA, f"data.dir={work / 'data' / 'stdlib-bpe-8192'}",
             f"train.steps={args.steps}", f"train.global_batch_size={args.gbs}", f"train.micro_batch_size={args.mbs}",
@@ -170,9 +171,11 @@ def compare_launch(args) -> tuple[list[Path], int]:
         for f in ("metrics.jsonl", "recipe.yaml"):
             if (work / "runs" / name / f).exists():
                 shutil.copy(work / "runs" / name / f, out / name / f)
-        if status != 0:
-            print(f"=== loss.impl={impl} exited with status {status} (log: {out / name / 'train.log'})", flush=True)
-            rc = 1
+        logged = len(read_metrics(out / name / "metrics.jsonl")["train"]) if (out / name / "metrics.jsonl").exists() else 0
+        if status != 0:  # a run that logged every step is complete (e.g. cut by the timeout while exiting)
+            print(f"=== loss.impl={impl}: {logged} of {args.steps} steps logged, then exit status {status} "
+                  f"(log: {out / name / 'train.log'})", flush=True)
+            rc = rc or int(logged < args.steps)
         if (out / name / "metrics.jsonl").exists():
             runs.append(out / name)
     return runs, rc

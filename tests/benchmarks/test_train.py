@@ -92,6 +92,38 @@ def test_sweep_point_counts_a_run_that_logged_every_step_then_failed_as_trained(
     assert not point["trained"] and point["why"].startswith("exit 1")
 
 
+def test_compare_counts_a_launch_that_logged_every_step_as_complete(tmp_path, monkeypatch):
+    """compare's exit status: a launch cut at exit after its last step (status "timeout") is complete;
+    one that stopped before its last step is not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    work, out = tmp_path / "work", tmp_path / "out"
+    args = train.argparse.Namespace(work=str(work), out=str(out), nproc=4, steps=3, gbs=8, mbs=2, lr_warmup=1,
+                                    recipe="recipes/gemma-2b-owt.yaml", launch_timeout=10, extra=[])
+    logged = {"a": 3, "b": 2}
+
+    def launch(cmd, *, timeout, log, **kw):
+        name = next(s.split("=", 1)[1] for s in cmd if s.startswith("run.name="))
+        impl = name.rsplit("-", 1)[1]
+        (work / "runs" / name).mkdir(parents=True, exist_ok=True)
+        rows = [{"kind": "meta", "step": 0}] + [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, logged[impl] + 1)]
+        (work / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        log.write_text("")
+        return {"exit": "timeout", "seconds": 10.0}
+
+    monkeypatch.setattr(train, "launch", launch)
+    monkeypatch.setattr(train.subprocess, "run", lambda *a, **kw: None)  # the data preparation
+    args.impls = ["a"]
+    runs, rc = train.compare_launch(args)
+    assert rc == 0 and [r.name for r in runs] == ["gemma-2b-owt-a"]
+    args.impls = ["a", "b"]
+    runs, rc = train.compare_launch(args)
+    assert rc == 1 and len(runs) == 2
+
+
 def test_compare_of_committed_runs_reports_tokens_per_s_and_loss_differences(tmp_path):
     """`compare --runs` on the committed Gemma 2 2B runs: one report, the others against the first."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
