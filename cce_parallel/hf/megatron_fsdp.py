@@ -22,8 +22,6 @@ import torch
 
 from cce_parallel.hf.convert import ConversionError
 
-INDEX_FORMAT = 1
-
 
 @dataclasses.dataclass
 class Shard:
@@ -83,7 +81,13 @@ def read(path: Path, meta: dict, metadata) -> dict:
     before the train job wrote them) or with an incomplete one."""
     import torch.distributed.checkpoint as dcp
 
-    from cce_parallel.train.checkpoint_files import _json_name, _SafeReader, _TensorsOnly, shard_index_key
+    from cce_parallel.train.checkpoint_files import (
+        SHARD_INDEX_FORMAT,
+        _json_name,
+        _SafeReader,
+        _TensorsOnly,
+        shard_index_key,
+    )
 
     layout = meta.get("layout", {})
     world = layout.get("world", layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1))
@@ -100,9 +104,9 @@ def read(path: Path, meta: dict, metadata) -> dict:
         index = json.loads((path / name).read_bytes())  # its sha256 is checked (meta.json lists it)
         if "error" in index:
             raise ConversionError(f"{path / name}: the run could not index its Megatron-FSDP shards: {index['error']}")
-        if index.get("format") != INDEX_FORMAT:
+        if index.get("format") != SHARD_INDEX_FORMAT:
             raise ConversionError(f"{path / name}: shard index format {index.get('format')}; this version reads "
-                                  f"format {INDEX_FORMAT}")
+                                  f"format {SHARD_INDEX_FORMAT}")
         indexes.append(index)
     templates = {}
     for index in indexes:

@@ -39,6 +39,9 @@ def _json_name(key: str) -> str:
     return key.replace("/", ".") + ".json"
 
 
+SHARD_INDEX_FORMAT = 1  # of rank{r}.shards.json (written by checkpoint_state.py, read by hf/megatron_fsdp.py)
+
+
 def shard_index_key(rank: int) -> str:
     """Under Megatron-FSDP: the key of rank's shard index (its file ``rank{r}.shards.json``),
     where each of its main-weight shards sits in its parameter (see checkpoint.py)."""

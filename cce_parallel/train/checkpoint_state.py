@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch.distributed.tensor import DTensor
 
-from cce_parallel.train.checkpoint_files import CheckpointError, shard_index_key
+from cce_parallel.train.checkpoint_files import SHARD_INDEX_FORMAT, CheckpointError, shard_index_key
 from cce_parallel.train.engine import inner_optimizers
 
 # -- state <-> tensors + JSON -----------------------------------------------------------------
@@ -195,7 +195,7 @@ def _shard_index(engine, optim_key: str, tensors: dict, *, rank: int, coords: tu
     parameter, ``megatron_fsdp_slice`` the range, which the shard's own size is checked against.
     Where megatron-core gives less, the index says why (the export refuses it; training goes on)."""
     tp, pp, dp = coords
-    index = {"format": 1, "rank": rank, "tp": tp, "pp": pp, "dp": dp}
+    index = {"format": SHARD_INDEX_FORMAT, "rank": rank, "tp": tp, "pp": pp, "dp": dp}
     try:
         index["params"] = _shard_entries(engine, optim_key, tensors)
     except Exception as err:  # noqa: BLE001 - the index serves the export: it never costs the save
