@@ -214,7 +214,7 @@ def sweep_point(args, impl: str, seq: int, mbs: int) -> dict:
     sets = [f"run.out_dir={work / 'runs'}", f"run.name={name}", "run.seed=1234", "checkpoint.interval=0",
             "checkpoint.resume=never", "checkpoint.at_end=false", *DATA, f"data.dir={work / 'data'}",
             f"model.seq_length={seq}", f"train.micro_batch_size={mbs}",
-            f"train.global_batch_size={mbs * args.nproc * args.accumulation}", f"train.steps={args.steps}",
+            f"train.global_batch_size={mbs * args.data_parallel * args.accumulation}", f"train.steps={args.steps}",
             "optim.warmup_steps=1", "eval.interval=0", "eval.iters=1", "logging.interval=1", "logging.wandb=disabled",
             "loss.softcap=null", f"loss.impl={impl}", *args.extra]
     log = work / f"{name}.log"
@@ -237,6 +237,17 @@ def sweep_point(args, impl: str, seq: int, mbs: int) -> dict:
     print(f"=== {name}: " + (f"{point['tokens_per_s']:,.0f} tokens/s, peak {(point['peak_mem_max'] or 0) / 2**30:.1f} GiB"
                             if point["trained"] else point["why"]), flush=True)
     return point
+
+
+def data_parallel(recipe: str, nproc: int, extra: list[str]) -> int:
+    """The data-parallel ranks of an --nproc launch: nproc over the recipe's tensor x pipeline (after --extra)."""
+    from cce_parallel.config.loader import load_recipe
+
+    par = load_recipe(recipe, [e for e in extra if e.startswith("parallel.")]).parallel
+    if par.data is None and nproc % (par.tensor * par.pipeline):
+        raise SystemExit(f"--nproc {nproc} is not a multiple of {recipe}'s tensor x pipeline "
+                         f"({par.tensor} x {par.pipeline})")
+    return par.data or nproc // (par.tensor * par.pipeline)
 
 
 def sweep_points(args) -> list[dict]:
@@ -276,6 +287,7 @@ def sweep(argv: list[str]) -> int:
     p.add_argument("--report-only", action="store_true", help="render OUT/points.json again")
     args = p.parse_args(argv)
     args.argv = argv
+    args.data_parallel = data_parallel(args.recipe, args.nproc, args.extra)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     points = json.loads((Path(args.out) / "points.json").read_text()) if args.report_only else sweep_points(args)

@@ -69,7 +69,7 @@ def test_sweep_point_counts_a_run_that_logged_every_step_then_failed_as_trained(
         import train
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    args = train.argparse.Namespace(work=str(tmp_path), nproc=4, accumulation=1, steps=2, recipe="r.yaml",
+    args = train.argparse.Namespace(work=str(tmp_path), nproc=4, data_parallel=4, accumulation=1, steps=2, recipe="r.yaml",
                                     launch_timeout=10, extra=[])
 
     def fake_launch(steps):
@@ -141,3 +141,28 @@ def test_compare_of_committed_runs_reports_tokens_per_s_and_loss_differences(tmp
     assert data["comparisons"][0]["steps_compared"] == 300 and abs(data["comparisons"][0]["first_step_diff"]) < 1e-4
     md = next(tmp_path.glob("train_compare_h200_*.md")).read_text()
     assert "| cce_kahan_full_c | 90,312 | 1.110 |" in md and "| megatron | 81,379 | 1.000 |" in md
+
+
+def test_sweep_global_batch_counts_data_parallel_ranks_only(tmp_path, monkeypatch):
+    """A sweep point's global batch is micro-batch x data-parallel ranks x accumulation: the Llama
+    recipe's tensor 2 on 4 ranks is 2 data-parallel ranks, not 4."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    llama, gemma = str(ROOT / "recipes/llama-1b-owt.yaml"), str(ROOT / "recipes/gemma-2b-owt.yaml")
+    assert train.data_parallel(llama, 4, []) == 2 and train.data_parallel(gemma, 4, []) == 4
+    assert train.data_parallel(llama, 4, ["parallel.tensor=4", "model.seq_length=64"]) == 1
+    try:
+        train.data_parallel(llama, 3, [])
+        raise AssertionError("3 ranks at tensor 2 must be refused")
+    except SystemExit as err:
+        assert "not a multiple" in str(err)
+    seen = []
+    monkeypatch.setattr(train, "launch", lambda cmd, **kw: seen.append(cmd) or {"exit": 1, "seconds": 0.0})
+    args = train.argparse.Namespace(work=str(tmp_path), nproc=4, data_parallel=train.data_parallel(llama, 4, []),
+                                    accumulation=3, steps=2, recipe=llama, launch_timeout=10, extra=[])
+    (tmp_path / "llama-s2048-m5.log").write_text("")
+    train.sweep_point(args, "llama", 2048, 5)
+    assert "train.global_batch_size=30" in seen[0]
