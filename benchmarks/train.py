@@ -310,17 +310,28 @@ def sweep_series(points: list[dict]) -> tuple[str, dict]:
     return axis, {impl: sorted(ps, key=lambda q: q[axis]) for impl, ps in series.items()}
 
 
+def sweep_file(path: Path) -> list[tuple[dict, list[dict]]]:
+    """[(recipe/gpu/world, points), ...] of a sweep's points.json (a list of points, no recipe), an
+    older sweep report ({"points": [...]}) or a sweep's or report's JSON ({"sweeps": [...]})."""
+    raw = json.loads(path.read_text())
+    if isinstance(raw, list):
+        return [({}, raw)]
+    info = lambda d: {k: d.get(k) for k in ("recipe", "gpu", "world")}  # noqa: E731
+    if "points" in raw:
+        return [(info(raw), raw["points"])]
+    return [(info(sw), [q for ps in sw["series"].values() for q in ps]) for sw in raw["sweeps"]]
+
+
 def report_data(sweeps: list[Path], runs: list[Path], warmup: int) -> dict:
     """The sweeps' points (files of one recipe and axis merged: one sweep cut over several launches)
     by loss.impl, and each run's summary and loss curves."""
     data, merged = {"sweeps": [], "runs": []}, {}
     for path in sweeps:
-        raw = json.loads(path.read_text())
-        info = {k: raw.get(k) for k in ("recipe", "gpu", "world")} if isinstance(raw, dict) else {}
-        points = [{k: v for k, v in p.items() if k != "meta"} for p in (raw["points"] if isinstance(raw, dict) else raw)]
-        entry = merged.setdefault((info.get("recipe"), sweep_series(points)[0]), {**info, "files": [], "points": []})
-        entry["files"].append(str(path))
-        entry["points"] += points
+        for info, points in sweep_file(path):
+            points = [{k: v for k, v in p.items() if k not in ("meta", "tokens")} for p in points]
+            entry = merged.setdefault((info.get("recipe"), sweep_series(points)[0]), {**info, "files": [], "points": []})
+            entry["files"].append(str(path))
+            entry["points"] += points
     for entry in merged.values():
         axis, series = sweep_series(entry.pop("points"))
         largest = {impl: max((q[axis] for q in ps if q["trained"]), default=None) for impl, ps in series.items()}
@@ -409,7 +420,7 @@ def report_png(data: dict, path: Path) -> bool:
 
 def report(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks report", description="one report of sweeps and a compare")
-    p.add_argument("--sweeps", nargs="*", default=[], type=Path, help="sweep results (train_sweep_*.json or points.json)")
+    p.add_argument("--sweeps", nargs="*", default=[], type=Path, help="sweep results: points.json, train_sweep_*.json or a report's JSON")
     p.add_argument("--runs", nargs="*", default=[], type=Path, help="run directories of one setting, one per loss.impl")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--out", required=True, type=Path)

@@ -166,3 +166,30 @@ def test_sweep_global_batch_counts_data_parallel_ranks_only(tmp_path, monkeypatc
     (tmp_path / "llama-s2048-m5.log").write_text("")
     train.sweep_point(args, "llama", 2048, 5)
     assert "train.global_batch_size=30" in seen[0]
+
+
+def test_report_reads_its_own_json_and_keeps_recipes_apart(tmp_path):
+    """`report --sweeps` takes a sweep's points.json, an older sweep report ({"points": ...}) and a
+    sweep's or report's own JSON ({"sweeps": ...}); sweeps of different recipes stay apart."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def points(impl, seqs):
+        return [{"impl": impl, "seq": s, "mbs": 1, "trained": s < 4096, "tokens_per_s": 1e3 * s, "peak_mem_max": 2**30,
+                 "why": None if s < 4096 else "out of memory"} for s in seqs]
+
+    (tmp_path / "points.json").write_text(json.dumps(points("cce", [1024, 2048, 4096]) + points("megatron", [4096])))
+    assert train.main(["report", "--sweeps", str(tmp_path / "points.json"), "--out", str(tmp_path), "--name", "a"]) == 0
+    a = json.loads((tmp_path / "a.json").read_text())
+    a["sweeps"][0]["recipe"] = "recipes/llama-1b-owt.yaml"
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    older = ROOT / "benchmarks/results/train_sweep_h100x4_20261127/train_sweep_h100x4_20261127.json"
+    assert train.main(["report", "--sweeps", str(tmp_path / "a.json"), str(older), "--out", str(tmp_path),
+                       "--name", "b"]) == 0
+    llama, gemma = json.loads((tmp_path / "b.json").read_text())["sweeps"]
+    assert llama["recipe"] == "recipes/llama-1b-owt.yaml" and llama["largest"] == {"cce": 2048, "megatron": None}
+    assert [q["seq"] for q in llama["series"]["cce"]] == [1024, 2048, 4096]
+    assert gemma["recipe"] == "recipes/gemma-2b-owt.yaml" and gemma["largest"]["cce_kahan_full_c"] == 131072
