@@ -393,20 +393,21 @@ def report_png(data: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = 2 * len(data["sweeps"]) + bool(data["runs"])
-    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.6), squeeze=False)
-    axes = list(axes[0])
-    for sw in data["sweeps"]:
-        for ax, key, label in ((axes.pop(0), "tokens_per_s", "tokens/s"), (axes.pop(0), "peak_mem_max", "peak GiB per rank")):
+    rows = len(data["sweeps"]) + bool(data["runs"])  # a row per sweep (tokens/s, memory), then the loss curves
+    fig = plt.figure(figsize=(10, 3.4 * rows))
+    grid = fig.add_gridspec(rows, 2)
+    for row, sw in enumerate(data["sweeps"]):
+        for col, key, label in ((0, "tokens_per_s", "tokens/s"), (1, "peak_mem_max", "peak GiB per rank")):
+            ax = fig.add_subplot(grid[row, col])
             for impl, ps in sw["series"].items():
                 done = [q for q in ps if q["trained"]]
                 ax.plot([q[sw["axis"]] for q in done], [q[key] / (2**30 if key == "peak_mem_max" else 1) for q in done],
                         marker="o", label=impl)
             ax.set_xscale("log", base=2)
-            ax.set(xlabel=sw["axis"], ylabel=label, title=Path(sw.get("recipe") or "sweep").stem)
+            ax.set(xlabel=sw["axis"], ylabel=label, title=f"{Path(sw.get('recipe') or 'sweep').stem}: against {sw['axis']}")
             ax.legend(fontsize=7)
     if data["runs"]:
-        ax = axes.pop(0)
+        ax = fig.add_subplot(grid[rows - 1, :])
         for r in data["runs"]:
             ax.plot(*zip(*r["train_curve"]), lw=0.8, label=f"{r['label']} (train)")
             if r["val_curve"]:
