@@ -140,6 +140,11 @@ def loss_facts() -> dict:
                      f"{span([m['phi3.5-mini'] for m in masks])} on Phi 3.5 mini")}
 
 
+def sweep(report: dict, recipe: str, axis: str) -> dict:
+    """The report's sweep of recipes/<recipe>.yaml against axis."""
+    return next(sw for sw in report["sweeps"] if sw["axis"] == axis and Path(sw["recipe"]).stem == recipe)
+
+
 def readme_measured() -> str:
     f, tp = loss_facts(), tp_facts()
     runs = {r["label"]: r for r in load(TRAIN_TP2DP2)["runs"]}
@@ -150,7 +155,10 @@ def readme_measured() -> str:
     # each one's best: the most tokens/s of its sweep points and its 300-step run
     best = {impl: max([(q["tokens_per_s"], q["mbs"]) for q in ps if q["trained"]]
                       + [(gemma[impl]["tokens_per_s_median"], gemma[impl]["micro_batch_size"])])
-            for impl, ps in report["sweeps"][0]["series"].items()}
+            for impl, ps in sweep(report, "gemma-2b-owt", "mbs")["series"].items()}
+    longest = sweep(report, "gemma-2b-owt", "seq")["largest"]
+    llama = {impl: max((q["tokens_per_s"], q["mbs"]) for q in ps if q["trained"])
+             for impl, ps in sweep(report, "llama-1b-owt", "mbs")["series"].items()}
     val = [{r["label"]: r["final_val_loss"] for r in rs} for rs in (report["runs"], seed2["runs"])]
     val_pct = [100 * (v["cce_kahan_full_c"] / v["megatron"] - 1) for v in val]
     mean_pct = 100 * (sum(v["cce_kahan_full_c"] for v in val) / sum(v["megatron"] for v in val) - 1)
@@ -192,6 +200,15 @@ def readme_measured() -> str:
          (f"{val_pct[0]:+.1f} % (seed 1234) and {val_pct[1]:+.1f} % (seed 4321, at DP 2 × 2 micro-batches); "
           f"{mean_pct:+.1f} % over the two"),
          GEMMA_WHERE, GEMMA_LINK),
+        ("the Gemma 2 2B recipe at DP 4, the longest sequence at micro-batch 1 with full recomputation",
+         (" / ".join(f"{longest[k]:,}" for k in ("cce_kahan_full_c", "megatron", "megatron_fused"))
+          + f" (ours / megatron / megatron_fused): {x(longest['cce_kahan_full_c'] / longest['megatron'], 0)} / "
+          f"{x(longest['cce_kahan_full_c'] / longest['megatron_fused'], 0)}"), "4× H200", GEMMA_LINK),
+        ("training the Llama 3.2 1B recipe at TP 2 × DP 2, each one's largest micro-batch that fits, of 32, 48 and 64",
+         (f"{x(llama['cce_kahan_full_c'][0] / llama['megatron'][0])} / "
+          f"{x(llama['cce_kahan_full_c'][0] / llama['megatron_fused'][0])} the tokens/s, at micro-batch "
+          + " / ".join(str(llama[k][1]) for k in ("cce_kahan_full_c", "megatron", "megatron_fused"))),
+         "4× H200", GEMMA_LINK),
     ]
     lines = [header(f"{H100}_trained", f"{H100}_random", f"{REPEAT}_trained",
                     f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2, TRAIN_GEMMA, TRAIN_GEMMA_SEED2),
