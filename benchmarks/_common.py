@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
 import gc
 import json
 import math
@@ -415,6 +416,11 @@ def failure(exc: BaseException, stage: str) -> dict:
     return {"status": "oom" if is_oom(exc) else "error", "stage": stage, "error": short_error(exc)}
 
 
+def clear_grad(*tensors) -> None:
+    for x in tensors:
+        x.grad = None
+
+
 def measure(make: Callable, e, c, t, *, device, ref=None, mem_key: str, trace: bool = False):
     """All of one method but its time: loss_fn = make(); one forward + backward (compiles, autotunes)
     for the loss and, with ref = fp32 (loss, ∇e, ∇c), its errors; res[mem_key] the peak_bytes of
@@ -422,10 +428,7 @@ def measure(make: Callable, e, c, t, *, device, ref=None, mem_key: str, trace: b
     error raises FatalCudaError (.result: what was recorded). Returns (res, loss_fn or None)."""
     res: dict = {"status": "ok"}
     stage, fn = "build", None
-
-    def clear_grads():
-        e.grad = c.grad = None
-
+    clear_grads = functools.partial(clear_grad, e, c)
     try:
         fn = make()
 
@@ -467,13 +470,9 @@ def time_fwd_bwd(alive: list, e, c, t, args, *, device, flops: float, tflops_key
     gradients each call) into res["fwd_bwd"] and res[tflops_key]; with paired_to, fwd_bwd's
     vs_<paired_to>_paired: the paired_ratio to the res whose "key" it is. After a fatal CUDA error,
     FatalCudaError once every result is recorded."""
-
-    def clear_grads():
-        e.grad = c.grad = None
-
     calls = [(i, lambda fn=fn: fn(e, c, t).backward()) for i, (_, fn) in enumerate(alive)]
     timed = time_in_rounds(calls, device=device, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
-                           setup=clear_grads)
+                           setup=functools.partial(clear_grad, e, c))
     ref = next((timed[i][0] for i, (r, _) in enumerate(alive) if r.get("key") == paired_to), [])
     fatal = None
     for i, (times, exc) in timed.items():
