@@ -316,7 +316,10 @@ def sweep_file(path: Path) -> list[tuple[dict, list[dict]]]:
     raw = json.loads(path.read_text())
     if isinstance(raw, list):
         return [({}, raw)]
-    info = lambda d: {k: d.get(k) for k in ("recipe", "gpu", "world")}  # noqa: E731
+
+    def info(d: dict) -> dict:
+        return {k: d.get(k) for k in ("recipe", "gpu", "world")}
+
     if "points" in raw:
         return [(info(raw), raw["points"])]
     return [(info(sw), [q for ps in sw["series"].values() for q in ps]) for sw in raw["sweeps"]]
