@@ -240,14 +240,14 @@ def sweep_point(args, impl: str, seq: int, mbs: int) -> dict:
 
 
 def data_parallel(recipe: str, nproc: int, extra: list[str]) -> int:
-    """The data-parallel ranks of an --nproc launch: nproc over the recipe's tensor x pipeline (after --extra)."""
+    """The data-parallel ranks of an --nproc launch of the recipe (with --extra), as the train job counts them."""
+    from cce_parallel.config import RecipeError
     from cce_parallel.config.loader import load_recipe
 
-    par = load_recipe(recipe, [e for e in extra if e.startswith("parallel.")]).parallel
-    if par.data is None and nproc % (par.tensor * par.pipeline):
-        raise SystemExit(f"--nproc {nproc} is not a multiple of {recipe}'s tensor x pipeline "
-                         f"({par.tensor} x {par.pipeline})")
-    return par.data or nproc // (par.tensor * par.pipeline)
+    try:
+        return load_recipe(recipe, extra).data_parallel_size(nproc)
+    except RecipeError as err:
+        raise SystemExit(f"--nproc {nproc}: {err}") from None
 
 
 def sweep_points(args) -> list[dict]:

@@ -158,7 +158,7 @@ def test_sweep_global_batch_counts_data_parallel_ranks_only(tmp_path, monkeypatc
         train.data_parallel(llama, 3, [])
         raise AssertionError("3 ranks at tensor 2 must be refused")
     except SystemExit as err:
-        assert "not a multiple" in str(err)
+        assert "does not divide the world size 3" in str(err)
     seen = []
     monkeypatch.setattr(train, "launch", lambda cmd, **kw: seen.append(cmd) or {"exit": 1, "seconds": 0.0})
     args = train.argparse.Namespace(work=str(tmp_path), nproc=4, data_parallel=train.data_parallel(llama, 4, []),
