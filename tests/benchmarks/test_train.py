@@ -5,15 +5,23 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_sweep_stops_at_the_first_failure_and_reports_the_largest(tmp_path, monkeypatch):
+@pytest.fixture
+def train():
+    """benchmarks/train.py as a module."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import train
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return train
+
+
+def test_sweep_stops_at_the_first_failure_and_reports_the_largest(train, tmp_path, monkeypatch):
     fits = {"cce": 8192, "megatron": 2048}  # the longest sequence each one trains
     tried = []
 
@@ -38,14 +46,9 @@ def test_sweep_stops_at_the_first_failure_and_reports_the_largest(tmp_path, monk
     assert "| 4,096 | 1,000 · 1.0 | out of memory |" in md
 
 
-def test_report_merges_sweeps_and_compares_runs(tmp_path):
+def test_report_merges_sweeps_and_compares_runs(train, tmp_path):
     """`report` on committed results: the two files of one sequence sweep merge into one series per
     impl with its largest trained point, and the runs' tokens/s and validation loss are compared."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     results = ROOT / "benchmarks" / "results"
     sweep, layers = results / "train_sweep_h200x4_20261127", results / "gemma2_layers_h200_20261127"
     assert train.main(["report", "--sweeps", str(sweep / "points_1.json"), str(sweep / "points_2.json"),
@@ -61,14 +64,9 @@ def test_report_merges_sweeps_and_compares_runs(tmp_path):
     assert "| 65,536 | 26,536 · 124.5 |" in md and "| cce_kahan_full_c (gemma2) | 22,045 | 0.896 |" in md
 
 
-def test_sweep_point_counts_a_run_that_logged_every_step_then_failed_as_trained(tmp_path, monkeypatch):
+def test_sweep_point_counts_a_run_that_logged_every_step_then_failed_as_trained(train, tmp_path, monkeypatch):
     """A launch that trains every step and then exits non-zero (an abort at exit, a timeout in the
     final evaluation) trained: the point says so and keeps the exit; one that stops early did not."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     args = train.argparse.Namespace(work=str(tmp_path), nproc=4, data_parallel=4, accumulation=1, steps=2, recipe="r.yaml",
                                     launch_timeout=10, extra=[])
 
@@ -92,14 +90,9 @@ def test_sweep_point_counts_a_run_that_logged_every_step_then_failed_as_trained(
     assert not point["trained"] and point["why"].startswith("exit 1")
 
 
-def test_compare_counts_a_launch_that_logged_every_step_as_complete(tmp_path, monkeypatch):
+def test_compare_counts_a_launch_that_logged_every_step_as_complete(train, tmp_path, monkeypatch):
     """compare's exit status: a launch cut at exit after its last step (status "timeout") is complete;
     one that stopped before its last step is not."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     work, out = tmp_path / "work", tmp_path / "out"
     args = train.argparse.Namespace(work=str(work), out=str(out), nproc=4, steps=3, gbs=8, mbs=2, lr_warmup=1,
                                     recipe="recipes/gemma-2b-owt.yaml", launch_timeout=10, extra=[])
@@ -124,13 +117,8 @@ def test_compare_counts_a_launch_that_logged_every_step_as_complete(tmp_path, mo
     assert rc == 1 and len(runs) == 2
 
 
-def test_compare_of_committed_runs_reports_tokens_per_s_and_loss_differences(tmp_path):
+def test_compare_of_committed_runs_reports_tokens_per_s_and_loss_differences(train, tmp_path):
     """`compare --runs` on the committed Gemma 2 2B runs: one report, the others against the first."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     runs = ROOT / "benchmarks" / "results" / "train_report_h200x4_20261127" / "seed1234"
     impls = ("cce_kahan_full_c", "megatron", "megatron_fused")
     assert train.main(["compare", "--out", str(tmp_path), "--runs", *(str(runs / f"gemma-2b-owt-{i}") for i in impls),
@@ -143,14 +131,9 @@ def test_compare_of_committed_runs_reports_tokens_per_s_and_loss_differences(tmp
     assert "| cce_kahan_full_c | 90,312 | 1.110 |" in md and "| megatron | 81,379 | 1.000 |" in md
 
 
-def test_sweep_global_batch_counts_data_parallel_ranks_only(tmp_path, monkeypatch):
+def test_sweep_global_batch_counts_data_parallel_ranks_only(train, tmp_path, monkeypatch):
     """A sweep point's global batch is micro-batch x data-parallel ranks x accumulation: the Llama
     recipe's tensor 2 on 4 ranks is 2 data-parallel ranks, not 4."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     llama, gemma = str(ROOT / "recipes/llama-1b-owt.yaml"), str(ROOT / "recipes/gemma-2b-owt.yaml")
     assert train.data_parallel(llama, 4, []) == 2 and train.data_parallel(gemma, 4, []) == 4
     assert train.data_parallel(llama, 4, ["parallel.tensor=4", "model.seq_length=64"]) == 1
@@ -168,14 +151,9 @@ def test_sweep_global_batch_counts_data_parallel_ranks_only(tmp_path, monkeypatc
     assert "train.global_batch_size=30" in seen[0]
 
 
-def test_report_reads_its_own_json_and_keeps_recipes_apart(tmp_path):
+def test_report_reads_its_own_json_and_keeps_recipes_apart(train, tmp_path):
     """`report --sweeps` takes a sweep's points.json, an older sweep report ({"points": ...}) and a
     sweep's or report's own JSON ({"sweeps": ...}); sweeps of different recipes stay apart."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
 
     def points(impl, seqs):
         return [{"impl": impl, "seq": s, "mbs": 1, "trained": s < 4096, "tokens_per_s": 1e3 * s, "peak_mem_max": 2**30,
