@@ -31,8 +31,9 @@ REPEAT = "h100_20261126_132cdde"  # the same loss code as H100's, another H100
 CBE, GPT2 = "h100_20261126_cbe5f8d", "h100_20261126_tp_gpt2"
 FULL_RUNS = (f"{H100}_trained", f"{REPEAT}_trained", "h100_20261126_abaf303_trained", CBE, f"{H200}_trained")
 TRAIN_TP2DP2, TRAIN_1GPU = "train_compare_h100x4_20261126", "train_compare_h100_20261126"
-# Gemma 2 2B recipe, tp 1 x dp 4: a sweep over micro-batches and 300 steps at micro-batch 4 (seed 1234),
-# and the 300 steps again with seed 4321 (tp 1 x dp 2, two micro-batches per rank)
+# Gemma 2 2B (tp 1 x dp 4) and Llama 3.2 1B (tp 2 x dp 2) recipes: sweeps over micro-batches and sequence lengths,
+# and Gemma's 300 steps at micro-batch 4 (seed 1234); the 300 steps again with seed 4321 (tp 1 x dp 2, two
+# micro-batches per rank)
 TRAIN_GEMMA = "train_report_h200x4_20261127/train_report_h200x4_20261127"
 TRAIN_GEMMA_SEED2 = "train_report_h200x4_20261127/seed4321/train_compare_h200_20261127"
 OURS, MASKED, WEIGHTS = "ours:cce_kahan_full_c", "ours:cce_kahan_full_c/masked", "ours:cce_kahan_full_c/weighted"
