@@ -16,7 +16,7 @@ if os.environ.get("CCE_TEST_GPU") != "1":
 import pytest
 import torch
 
-from tests.helpers import fresh_backward_state, gpu_run
+from tests.helpers import gpu_run
 
 _MARKS = {
     "gpu": "needs a CUDA GPU (skipped without one)",
@@ -43,13 +43,6 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
-
-
-@pytest.fixture(autouse=True)
-def _fresh_backward_state(monkeypatch):
-    """Each test starts as a fresh process: nothing learned from earlier backwards (ops/upstream.py:
-    no per-token weights seen, loss scale 1), so a test's calls take the path their options ask for."""
-    fresh_backward_state(monkeypatch)
 
 
 @pytest.fixture

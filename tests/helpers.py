@@ -212,16 +212,3 @@ def check_against_oracle(
     errs = errors(out, ref)
     assert_errors_below(errs, tol, label)
     return errs
-
-
-def fresh_backward_state(monkeypatch):
-    """As in a fresh process: nothing learned from earlier backwards (ops/upstream.py: no per-token
-    or masked weights seen, loss scale 1, no reports waiting for the host)."""
-    from cce_parallel.ops import upstream as ops_upstream
-
-    monkeypatch.setattr(ops_upstream, "per_token_weights_seen", False)
-    monkeypatch.setattr(ops_upstream, "masked_weights_seen", False)
-    monkeypatch.setattr(ops_upstream, "loss_scale", 1.0)
-    monkeypatch.setattr(ops_upstream, "loss_scale_unsteady", False)
-    monkeypatch.setattr(ops_upstream, "_last_missed", False)
-    monkeypatch.setattr(ops_upstream, "_reports", [])

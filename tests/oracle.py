@@ -12,6 +12,8 @@ Per token n with target t and logits x = e @ c.T + bias:
     lse = logsumexp(z)
     loss = lse - (1 - ls) * z_t - (ls / V) * sum_v z_v + z_loss * lse**2, and 0 where ignored.
 Reduction "mean" divides the sum by the number of non-ignored tokens (NaN when there are none).
+With per-token weights w (the loss's `weights`), each token's loss is w * loss and "mean" divides
+the sum by the sum of w over the non-ignored tokens.
 """
 
 import math
@@ -38,7 +40,8 @@ def _options(ignore_index=-100, softcap=None, label_smoothing=0.0, z_loss=0.0, r
 
 
 def _upstream_weights(grad_loss, reduction, n_tokens, n_valid, device):
-    """d(reduced loss)/d(per-token loss) times the upstream gradient, per token, in float64."""
+    """d(reduced loss)/d(per-token loss) times the upstream gradient, per token, in float64
+    (n_valid: the mean's divisor)."""
     if grad_loss is None:
         grad_loss = torch.ones((), dtype=torch.float64, device=device) if reduction != "none" else None
     if reduction == "none":
@@ -48,7 +51,7 @@ def _upstream_weights(grad_loss, reduction, n_tokens, n_valid, device):
     g = grad_loss.detach().to(torch.float64).reshape(()).expand(n_tokens)
     if reduction == "mean":
         # torch.nn.functional.cross_entropy gives zero gradients when every token is ignored.
-        g = g / n_valid if n_valid > 0 else torch.zeros_like(g)
+        g = g / n_valid if n_valid != 0 else torch.zeros_like(g)
     return g
 
 
@@ -59,10 +62,12 @@ def _reduce(loss_tok, reduction, shape, n_valid):
     return total if reduction == "sum" else total / n_valid  # 0 / 0 is NaN, as in F.cross_entropy
 
 
-def oracle(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, chunk_size=None, **options) -> Outputs:
+def oracle(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, chunk_size=None, weights=None,
+           **options) -> Outputs:
     """Float64 reference of loss, lse and the gradients for the given upstream gradients.
 
     grad_loss: upstream gradient of the loss (shaped like the loss; default 1).
+    weights: per-token weights (shaped like targets) or None; see the module docstring.
     grad_lse: upstream gradient of lse (shaped like targets), or None when lse is not used.
     chunk_size: tokens per chunk (None: all at once). Results do not depend on it.
     Returns float64 tensors; lse is returned in any case (0 where ignored).
@@ -76,7 +81,11 @@ def oracle(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, chunk_siz
     n_tokens = t2.shape[0]
     valid = t2 != ignore_index
     n_valid = int(valid.sum())
-    weights = _upstream_weights(grad_loss, reduction, n_tokens, n_valid, e.device)
+    w_tok = None if weights is None else weights.detach().reshape(-1).to(f64)
+    divisor = n_valid if w_tok is None else float(w_tok[valid].sum())
+    weights = _upstream_weights(grad_loss, reduction, n_tokens, divisor, e.device)
+    if w_tok is not None:
+        weights = weights * w_tok
     g_lse = None if grad_lse is None else grad_lse.detach().reshape(-1).to(f64)
 
     c64 = c.detach().to(f64).requires_grad_()
@@ -111,8 +120,10 @@ def oracle(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, chunk_siz
         if db is not None:
             db += grads[2]
     loss_tok = torch.cat(losses)[:n_tokens]
+    if w_tok is not None:
+        loss_tok = loss_tok * w_tok
     return Outputs(
-        loss=_reduce(loss_tok, reduction, targets.shape, n_valid),
+        loss=_reduce(loss_tok, reduction, targets.shape, divisor),
         lse=torch.cat(lses)[:n_tokens].reshape(targets.shape),
         de=torch.cat(des)[:n_tokens].reshape(e.shape),
         dc=dc,
@@ -120,7 +131,7 @@ def oracle(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, chunk_siz
     )
 
 
-def plain_torch(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, **options) -> Outputs:
+def plain_torch(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, weights=None, **options) -> Outputs:
     """The loss as a PyTorch user computes it: logits in the input dtype, then fp32 cross-entropy.
 
     Gradients come back in the input dtype, as autograd gives them. Not chunked: the logits are
@@ -144,6 +155,9 @@ def plain_torch(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, **op
         if z_loss:
             loss = loss + z_loss * torch.where(valid, lse * lse, torch.zeros_like(lse))
         lse = torch.where(valid, lse, torch.zeros_like(lse))
+        if weights is not None:
+            w = torch.where(valid, weights.reshape(-1).float(), 0.0)
+            loss, n_valid = loss * w, w.sum()
         loss = _reduce(loss, reduction, targets.shape, n_valid)
         outs, upstream = [loss], [torch.ones_like(loss) if grad_loss is None else grad_loss.to(loss.dtype)]
         if grad_lse is not None:

@@ -2,13 +2,20 @@
 gradient is needed and the budget allows, else the lean path (ops/lean.py); the backward hands out
 the one-pass gradients scaled or corrected for the upstream gradient (ops/upstream.py), or
 recomputes them on the lean path. The math and the shared pieces: ops/common.py.
+
+Per-token weights given in the forward multiply each kept token's loss; the one-pass gradients are
+made for them, so that an upstream gradient that is one number (the weighted losses' mean or sum)
+only scales them. In every recompute the upstream gradient is multiplied by them.
 """
 
+import dataclasses
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
 
 from cce_parallel.ops import upstream
+from cce_parallel.ops.upstream import UpstreamState
 from cce_parallel.ops.common import Collectives, LossConfig, _BadTargets, _combine, coefficients, token_loss
 from cce_parallel.ops.lean import lean_backward, local_stats
 from cce_parallel.ops.one_pass import one_pass
@@ -29,12 +36,13 @@ def _scaled(t, ratio, dtype):
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Per-token loss and log-sum-exp, fp32, for all n tokens (0 at ignored ones), and the targets'
-    counts (int64 [2], the first the number of kept tokens).
+    """Per-token loss (times weights, if given) and log-sum-exp, fp32, for all n tokens (0 at
+    ignored ones), and the targets' counts (int64 [2], the first the number of kept tokens).
 
     e: [n_rows, D] (this rank's rows under sequence parallelism, else all n); c: [V_shard, D], rows
     start .. start + V_shard of the vocabulary; bias: [V_shard] or None; targets: [n], the
-    caller's, flat and contiguous; prepare(): the targets' pass (ops/functional.py), returning
+    caller's, flat and contiguous; weights: None or fp32 [n], each token's weight (0 at ignored
+    tokens; it may need a gradient: the token's unweighted loss); prepare(): the targets' pass (ops/functional.py), returning
     (each token's row of c or -1 where another rank holds it or it is ignored, keep [n] bool: the
     tokens that count, counts: int64 [2], kept tokens and kept ones outside [0, vocab), grad_scale:
     fp32 [], 1 / kept for reductions "mean" and "none", 1 for "sum", times cfg.loss_scale). The
@@ -46,19 +54,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     Ignored tokens go through the kernels with zero weight: no host sync decides which tokens
     count. c_main_grad: None, or a callable returning a buffer shaped like c into which the
     backward adds dC (Megatron's gradient-accumulation fusion); c then gets no gradient from the
-    Function.
+    Function. state: the caller's UpstreamState (ops/upstream.py), which reads the backward's
+    report and records the paths taken; None: nothing is learned or recorded.
     """
 
     @staticmethod
-    def forward(ctx, e, c, bias, targets, start: int, prepare: Callable, watch: Callable, cfg: LossConfig,
+    def forward(ctx, e, c, bias, targets, weights, start: int, prepare: Callable, watch: Callable, cfg: LossConfig,
                 comm: Collectives, sequence_parallel: bool,
-                c_main_grad: Optional[Callable[[], torch.Tensor]] = None):
+                c_main_grad: Optional[Callable[[], torch.Tensor]] = None, state: Optional[UpstreamState] = None):
         ctx.set_materialize_grads(False)
         e_all = comm.gather_rows(e) if sequence_parallel else e
         de = dc = db = None
+        if state is not None:
+            state.paths["one_pass" if cfg.one_pass else "lean"] += 1
         if cfg.one_pass:
-            lse, zt, zsum, de, dc, db, prepared = one_pass(e_all, c, bias, targets, start, prepare, watch, cfg,
-                                                           comm, main_grad=c_main_grad is not None or cfg.fp32_grads)
+            # defer_dc: dE alone, in fp32 (it scales per row, exactly); dC and dbias in the backward.
+            fwd_cfg = dataclasses.replace(cfg, need_dc=False, need_db=False) if cfg.defer_dc else cfg
+            lse, zt, zsum, de, dc, db, prepared = one_pass(
+                e_all, c, bias, targets, weights, start, prepare, watch, fwd_cfg, comm,
+                main_grad=c_main_grad is not None or cfg.fp32_grads or cfg.defer_dc)
             if de is not None:
                 de = _finish_de(de, comm, sequence_parallel)
         else:
@@ -68,8 +82,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             lse = m + torch.log(se)
         targets, keep, counts, grad_scale = prepared
         loss = torch.where(keep, token_loss(lse, zt, zsum, cfg), 0.0)
-        ctx.cfg, ctx.comm, ctx.sp, ctx.c_main_grad = cfg, comm, sequence_parallel, c_main_grad
-        ctx.save_for_backward(e_all, c, bias, targets, keep, counts, grad_scale, lse, de, dc, db)
+        unweighted = None
+        if weights is not None:
+            unweighted = loss if ctx.needs_input_grad[4] else None  # d (w * loss) / d w
+            loss = loss * weights
+        ctx.cfg, ctx.comm, ctx.sp, ctx.c_main_grad, ctx.state = cfg, comm, sequence_parallel, c_main_grad, state
+        ctx.save_for_backward(e_all, c, bias, targets, weights, unweighted, keep, counts, grad_scale, lse, de, dc,
+                              db)
         ctx.mark_non_differentiable(counts)
         return loss, torch.where(keep, lse, 0.0), counts
 
@@ -82,15 +101,44 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
         from cce_parallel import kernels
 
-        e_all, c, bias, targets, keep, counts, grad_scale, lse, de1, dc1, db1 = ctx.saved_tensors
-        cfg, comm, sp = ctx.cfg, ctx.comm, ctx.sp
+        (e_all, c, bias, targets, weights, unweighted, keep, counts, grad_scale, lse, de1, dc1,
+         db1) = ctx.saved_tensors
+        cfg, comm, sp, state = ctx.cfg, ctx.comm, ctx.sp, ctx.state
+        paths = state.paths if state is not None else Counter()
+
+        def of_unweighted(g_k):  # an upstream gradient of the weighted loss -> of the unweighted one
+            return g_k if weights is None else g_k * weights
+
         n = keep.shape[0]
         e_dtype = c.dtype  # e and c share the dtype (checked in ops/functional.py)
         if g_lse is not None and not torch.count_nonzero(g_lse):
             g_lse = None  # lse was returned but nothing used it
         g = g_loss.float() if g_loss is not None else lse.new_zeros(1).expand(n)
+        dw = torch.where(keep, g, 0.0) * unweighted if unweighted is not None else None
         stored = cfg.one_pass and g_lse is None  # the forward's gradients serve, scaled
-        if stored:
+        if stored and cfg.defer_dc:
+            # The state knew that this loss's weights come in the backward only: dE (fp32, made in
+            # the forward) scales per row exactly; dC and dbias take one more pass for the weights
+            # (the fused GEMM again, then dC's GEMM): four logit-sized GEMMs in all, the least any
+            # weights unknown in the forward allow, and no host sync.
+            paths["deferred"] += 1
+            g_k = torch.where(keep, g, 0.0)
+            de = None
+            if de1 is not None:
+                w = g_k / grad_scale
+                de = kernels.scaled_copy(de1, w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
+                                         if sp else w, e_dtype)
+            dc = db = None
+            if cfg.need_dc or cfg.need_db:
+                main = ctx.c_main_grad() if cfg.need_dc and ctx.c_main_grad is not None else None
+                prepared = (targets, keep, counts, torch.ones_like(grad_scale))
+                _, _, _, _, dc, db, _ = one_pass(e_all, c, bias, targets, of_unweighted(g_k), 0, lambda: prepared,
+                                                 lambda bad: None, dataclasses.replace(cfg, need_de=False), comm,
+                                                 main_grad=main is not None)
+                if main is not None:
+                    dc = _fp32_dc(dc, main, c.dtype)
+                db = db.to(bias.dtype) if db is not None else None
+        elif stored:
             # The one-pass gradients may be scaled in place and handed out as they are, so a
             # second backward through this loss (retain_graph) would read them changed: refused.
             if getattr(ctx, "gave_gradients", False):
@@ -115,7 +163,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 # Ignored tokens' upstream gradients may be anything: they count as 0.
                 g_k = torch.where(keep, g, 0.0)
                 w = g_k / grad_scale
-                if cfg.fp32_grads:  # the forward knew of masks (masked_weights_seen): sort on the host
+                if cfg.fp32_grads:  # the state knew of masks (masked_weights_seen): sort on the host
                     kind, r = upstream._weights_kind(w, keep)  # the one host sync
                     ratio = torch.full((), r, **f32) if r is not None else None
                 else:  # the device decides, no host sync (see _weights_over_kept)
@@ -126,6 +174,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     de = kernels.scaled_copy(de1, w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
                                              if sp else w, e_dtype)
             if kind in ("one", "device"):
+                paths["checked" if kind == "device" else "scaled"] += 1
                 report = None
                 if low or kind == "device":
                     # A bf16 dC or dE, rounded in the forward, is exactly scaled only by a power of two;
@@ -140,24 +189,28 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     main.addcmul_(dc1, ratio)
                 dc = _scaled(dc1, ratio, c.dtype) if main is None else None
                 if report is not None:
-                    a, b, u = coefficients(g_k if kind == "device" else torch.where(keep, g, 0.0), None, lse, cfg)
+                    a, b, u = coefficients(of_unweighted(g_k if kind == "device" else torch.where(keep, g, 0.0)), None,
+                                           lse, cfg)
                     scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
                     kernels.weighted_grads(flag, e_all, c, bias, targets, lse, a, b, u, scale,
                                            main if main is not None else dc, db, de if rounded_de else None,
                                            softcap=cfg.softcap, add_dc=main is not None)
-                    upstream._report(report, cfg.loss_scale, cfg.loss_scale_given)
+                    if state is not None:
+                        state.report(report, cfg.loss_scale, cfg.loss_scale_given)
             elif kind == "mask" and not low:
                 # Weights r on most kept tokens, 0 on the m masked ones: dC = r (dC1 - the masked rows'
                 # part), the correction recomputed by the lean backward on those m rows alone and added
                 # to the fp32 dC1 (dbias likewise), then rounded once. Each rank corrects its own shard
                 # (lse is global, targets outside it are -1): no collective.
+                paths["mask_corrected"] += 1
                 dc = db = None
                 for t in (dc1, db1):
                     if t is not None:
                         kernels.scale_(t, ratio)
                 if dc1 is not None or db1 is not None:
                     rows = torch.nonzero(keep & (w == 0)).squeeze(1)
-                    g_m = (ratio * grad_scale).neg().expand(rows.numel()).contiguous()
+                    g_m = (ratio * grad_scale).neg().expand(rows.numel())
+                    g_m = (g_m * weights[rows] if weights is not None else g_m).contiguous()
                     a, b, u = coefficients(g_m, None, lse[rows], cfg)
                     _, _, db2 = lean_backward(e_all[rows], c, bias, targets[rows], lse[rows], a, b, u, cfg,
                                               need_de=False, dc_out=dc1)
@@ -167,12 +220,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 # Any other weights (or a mask where the forward, made before the host learned of
                 # masks, rounded dC or dE to bf16: scaling those would round them twice): the lean
                 # backward recomputes dC, dbias and a rounded dE, exact for any weights, and later
-                # calls avoid this (see the process-wide state).
-                if kind == "many":
-                    upstream._warn_many()
-                else:
-                    upstream._saw_masked()
-                a, b, u = coefficients(g_k, None, lse, cfg)
+                # calls of a loss that owns a state avoid this (ops/upstream.py).
+                paths["recomputed"] += 1
+                if state is not None:
+                    state.saw_many() if kind == "many" else state.saw_mask()
+                a, b, u = coefficients(of_unweighted(g_k), None, lse, cfg)
                 dc = db = None
                 if dc1 is not None or db1 is not None or rounded_de:
                     fp32_dc = dc1 is not None and dc1.dtype == torch.float32
@@ -186,7 +238,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # Ignored tokens' upstream gradients may be anything: they count as 0.
             g_k = torch.where(keep, g, 0.0)
             h_k = None if g_lse is None else torch.where(keep, g_lse.float(), 0.0)
-            a, b, u = coefficients(g_k, h_k, lse, cfg)
+            paths["lean"] += 1
+            a, b, u = coefficients(of_unweighted(g_k), h_k, lse, cfg)
             de, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=cfg.need_de)
             if de is not None:
                 de = _finish_de(de, comm, sp).to(e_dtype)
@@ -196,7 +249,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             db = db.to(bias.dtype) if db is not None and cfg.need_db else None
         if not cfg.need_dc or ctx.c_main_grad is not None:
             dc = None  # with c_main_grad, dC went into that buffer; c's .grad is left alone
-        return de if cfg.need_de else None, dc, db, None, None, None, None, None, None, None, None
+        return de if cfg.need_de else None, dc, db, None, dw, None, None, None, None, None, None, None, None
 
 
 def _finish_de(de, comm, sequence_parallel):

@@ -50,7 +50,9 @@ class LossConfig:
     the largest shard of any rank (block_vocab).
     one_pass: take it (a gradient is needed, the budget is > 0, the Triton path). need_de / need_dc /
     need_db: which inputs need a gradient. fp32_grads: the one-pass path makes dC and dE in fp32,
-    not in the input dtype (reduction "none" once masked weights were seen: masked_weights_seen).
+    not in the input dtype (reduction "none" once the state saw masked weights). defer_dc: the
+    one-pass forward makes dE alone, in fp32, and the backward makes dC and dbias for the upstream
+    gradient it gets (reduction "none" once the state saw weights that were no mask).
     """
 
     impl: str
@@ -69,6 +71,7 @@ class LossConfig:
     loss_scale: float = 1.0  # the one-pass gradients are made for it (a bf16 dC: ops/upstream.py)
     loss_scale_given: bool = False  # the caller passed it: backwards' reports teach the default nothing
     fp32_grads: bool = False  # the one-pass dC and dE in fp32, as for a main_grad (see masked_weights_seen)
+    defer_dc: bool = False  # dE in the forward (fp32), dC and dbias in the backward (per_token_weights_seen)
 
     @property
     def traits(self) -> ImplTraits:

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from cce_parallel.ops import upstream
+from cce_parallel.ops.upstream import UpstreamState
 from cce_parallel.ops.autograd import LinearCrossEntropyFunction
 from cce_parallel.ops.common import IMPL_TRAITS, SINGLE, Collectives, LossConfig, fused_one_pass
 
@@ -29,8 +30,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # sum reads and writes V x D x 4 bytes per block. The cap keeps very long calls' buffers bounded.
 AUTO_BUDGET = (512 << 20, 3 << 30)
 AUTO_BUDGET_PARTS = 4
-
-_warned_fallback = set()
 
 
 def _is_real(x) -> bool:
@@ -85,16 +84,14 @@ def _triton_usable(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
         reason = f"no Triton kernels for device type {device.type!r}"
     if reason is None:
         return True
-    key = (impl, device.type, reason)
-    if key not in _warned_fallback:
-        _warned_fallback.add(key)
-        warnings.warn(f"cce_parallel: impl={impl!r} falls back to impl='torch': {reason}", stacklevel=3)
+    # Python's warning filter shows it once per call site.
+    warnings.warn(f"cce_parallel: impl={impl!r} falls back to impl='torch': {reason}", stacklevel=3)
     return False
 
 
 def check_inputs(
     e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl, logits_budget="auto",
-    loss_scale=None, row_ranks=1,
+    loss_scale=None, row_ranks=1, weights=None,
 ):
     """Raise a clear error for any malformed argument (no tensor data is read here).
 
@@ -103,8 +100,9 @@ def check_inputs(
     for name, t in (("e", e), ("c", c), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    for name, t in (("bias", bias), ("weights", weights)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if impl not in IMPL_TRAITS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
     if reduction not in REDUCTIONS:
@@ -129,7 +127,9 @@ def check_inputs(
         raise TypeError(f"mixed dtypes: e is {e.dtype} but bias is {bias.dtype}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets must be an integer tensor, got dtype {targets.dtype}")
-    for name, t in (("c", c), ("targets", targets), ("bias", bias)):
+    if weights is not None and not weights.dtype.is_floating_point:
+        raise TypeError(f"weights must be a floating-point tensor, got dtype {weights.dtype}")
+    for name, t in (("c", c), ("targets", targets), ("bias", bias), ("weights", weights)):
         if t is not None and t.device != e.device:
             raise ValueError(f"mixed devices: e is on {e.device} but {name} is on {t.device}")
 
@@ -141,6 +141,8 @@ def check_inputs(
     if tuple(targets.shape) != rows:
         what = "e.shape[:-1]" if row_ranks == 1 else f"e.shape[:-1] with dim 0 times {row_ranks} (sequence parallel)"
         raise ValueError(f"shape mismatch: targets {tuple(targets.shape)} must equal {what} = {rows}")
+    if weights is not None and weights.shape != targets.shape:
+        raise ValueError(f"shape mismatch: weights {tuple(weights.shape)} must equal targets' shape {tuple(targets.shape)}")
     if bias is not None and tuple(bias.shape) != (c.shape[0],):
         raise ValueError(f"bias must have shape ({c.shape[0]},) to match c's V, got {tuple(bias.shape)}")
     if c.shape[0] == 0:
@@ -226,6 +228,8 @@ def linear_cross_entropy(
     logits_budget: Union[str, int] = "auto",
     loss_scale: Optional[float] = None,
     return_lse: bool = False,
+    weights: Optional[torch.Tensor] = None,
+    state: Optional[UpstreamState] = None,
 ):
     """Cross-entropy of the logits e @ c.T (+ bias) without materializing them, on one device.
 
@@ -238,29 +242,12 @@ def linear_cross_entropy(
         softcap: Gemma 2 style soft-capping, logits become softcap * tanh(logits / softcap).
         label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy.
         z_loss: adds z_loss * lse**2 per token.
-        reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
-        impl: one of IMPLS (see docs/internals.md, "Which path, and which impl").
-        logits_budget: bytes of the logits buffer per token block when gradients are computed in
-            the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
-            "auto" (a quarter of the call's logits where dC sums in bf16, all of them where it
-            sums in fp32, within 512 MiB .. 3 GiB), a number of bytes, or "lean" / 0 for the
-            two-pass path that recomputes the logits in the backward (about 100 MB above dE + dC).
-        loss_scale: the number the loss (its mean over the kept tokens, for reduction "none") is
-            multiplied by before its backward, e.g. 1 / micro-batches: a bf16 dC (and dE) made in
-            the forward is made for it, rounded once. Used as given; a backward that brings
-            another number still gets exact gradients (recomputed, slower, with a warning). None:
-            the process-wide default (cce_parallel.expect_loss_scale, else learned from earlier
-            backwards). Finite and nonzero.
-        return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
-            ignored); it is differentiable.
-
-    Returns:
-        loss, or (loss, lse) when return_lse.
+        The rest: as cce_parallel.linear_cross_entropy (parallel/api.py), without tensor parallelism.
     """
     return sharded_linear_cross_entropy(
         e, c, targets, bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
-        return_lse=return_lse,
+        return_lse=return_lse, weights=weights, state=state,
     )
 
 
@@ -279,6 +266,8 @@ def sharded_linear_cross_entropy(
     logits_budget="auto",
     loss_scale=None,
     return_lse=False,
+    weights=None,
+    state: Optional[UpstreamState] = None,
     comm: Collectives = SINGLE,
     vocab_start: int = 0,
     vocab_size: Optional[int] = None,
@@ -299,19 +288,22 @@ def sharded_linear_cross_entropy(
     check_inputs(
         e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
-        row_ranks=world if sequence_parallel else 1,
+        row_ranks=world if sequence_parallel else 1, weights=weights,
     )
     shard = c.shape[0]
     fused = fused_one_pass(e.dtype, softcap, label_smoothing)
-    # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/one_pass.py. Once a
-    # backward has seen masked per-token weights, per-token calls make dC and dE in fp32 instead, so
-    # that their backwards can subtract the masked rows' part (upstream.masked_weights_seen).
-    fp32_grads = reduction == "none" and upstream.masked_weights_seen
+    # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/one_pass.py. Once the
+    # caller's state has seen masked per-token weights in a backward, its per-token calls make dC
+    # and dE in fp32 instead, so that their backwards can subtract the masked rows' part.
+    fp32_grads = reduction == "none" and state is not None and state.masked_weights_seen
+    # Once it has seen weights that were no mask, dC and dbias wait for the backward (defer_dc).
+    defer_dc = reduction == "none" and state is not None and state.per_token_weights_seen
+    fp32_grads = fp32_grads and not defer_dc
     bf16_dc = (fused and not label_smoothing and c_main_grad is None and e.dtype != torch.float32
-               and not fp32_grads)
+               and not fp32_grads and not defer_dc)
     budget = resolve_logits_budget(
         logits_budget, targets.numel() * max(shard, largest_shard or 0) * (e.element_size() if fused else 4),
-        bf16_dc=bf16_dc,
+        bf16_dc=bf16_dc or defer_dc,  # a deferred dC sums in bf16 in the backward
     )
     vocab = vocab_size if vocab_size is not None else shard
     out_shape = targets.shape
@@ -325,16 +317,24 @@ def sharded_linear_cross_entropy(
     # Megatron's (loss * mask).sum() / mask.sum(), the mask folded into ignore_index, then needs no
     # pass over dC in the backward.
     check = TargetCheck(comm.rank)
-    # A bf16 dC is made for the caller's loss_scale, as given, or else for the process-wide default
-    # (ops/upstream.py); other one-pass gradients scale exactly, so they are made for 1.
+    # A bf16 dC is made for the caller's loss_scale, as given, or else for the state's (ops/upstream.py;
+    # 1 without a state); other one-pass gradients scale exactly, so they are made for 1.
     given = loss_scale is not None and bf16_dc
-    loss_scale = float(loss_scale) if given else upstream.loss_scale if bf16_dc else 1.0
+    loss_scale = float(loss_scale) if given else state.loss_scale if bf16_dc and state is not None else 1.0
+    # Per-token weights, fp32, 0 at ignored tokens; "mean" divides by their sum over the kept tokens.
+    w2 = w_sum = None
+    if weights is not None:
+        w2 = torch.where(t2 != ignore_index, weights.reshape(-1).float(), 0.0)
+        w_sum = w2.sum() if reduction == "mean" else None
 
     def prepare():
-        prepared = prepare_targets(t2, ignore_index, vocab, vocab_start, shard, reduction != "sum", use_triton)
+        local, keep, counts, scale = prepare_targets(t2, ignore_index, vocab, vocab_start, shard,
+                                                     reduction != "sum", use_triton)
+        if w_sum is not None:  # weights summing to 0 (nothing kept, say): zero gradients, as for no tokens
+            scale = torch.where(w_sum != 0, 1.0 / w_sum, 0.0)
         if loss_scale != 1.0:  # the one-pass gradients are made for the expected upstream number
-            prepared = (*prepared[:3], prepared[3] * loss_scale)
-        return prepared
+            scale = scale * loss_scale
+        return local, keep, counts, scale
 
     kernel_cfg = None
     if use_triton:
@@ -353,33 +353,34 @@ def sharded_linear_cross_entropy(
         logits_budget=budget,
         block_vocab=largest_shard or shard,
         one_pass=use_triton and budget > 0 and torch.is_grad_enabled() and any(need)
-        and not (reduction == "none" and upstream.per_token_weights_seen)
-        and not (bf16_dc and not given and upstream.loss_scale_unsteady),
+        and not (state is not None and bf16_dc and not given and state.loss_scale_unsteady),
         need_de=need[0],
         need_dc=need[1],
         need_db=need[2],
         loss_scale=loss_scale,
         loss_scale_given=given,
         fp32_grads=fp32_grads,
+        defer_dc=defer_dc,
     )
     # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
     loss, lse, counts = LinearCrossEntropyFunction.apply(
-        e2.contiguous(), c_k, bias_k, t2, vocab_start, prepare, check.watch, cfg, comm, sequence_parallel,
-        c_main_grad,
+        e2.contiguous(), c_k, bias_k, t2, w2, vocab_start, prepare, check.watch, cfg, comm, sequence_parallel,
+        c_main_grad, state,
     )
     check.raise_if_bad(targets, vocab, ignore_index)
-    # Earlier backwards' reports (the loss scale), for the calls after this one:
-    # queued before this call's targets, they have arrived by now. Waiting for them before the
-    # forward instead would let the GPU drain between back-to-back calls (Phi 3.5 mini: +6 %).
-    upstream.read_backward_reports()
+    if state is not None:
+        # Earlier backwards' reports (the loss scale), for the calls after this one: queued before
+        # this call's targets, they have arrived by now. Waiting for them before the forward instead
+        # would let the GPU drain between back-to-back calls (Phi 3.5 mini: +6 %).
+        state.read_reports()
     if reduction == "none":
         loss = loss.reshape(out_shape)
     elif reduction == "sum":
         loss = loss.sum()
-    else:
-        loss = loss.sum() / counts[0]  # NaN when every token is ignored, as in PyTorch
+    else:  # NaN when every token is ignored (or the weights sum to 0), as in PyTorch
+        loss = loss.sum() / (counts[0] if w_sum is None else w_sum)
     if return_lse:
         return loss, lse.reshape(out_shape)
     return loss

@@ -39,7 +39,7 @@ from cce_parallel.ops.common import (
 )
 
 
-def one_pass(e, c, bias, targets, start, prepare, watch, cfg: LossConfig, comm, *, main_grad: bool = False):
+def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfig, comm, *, main_grad: bool = False):
     """(lse, zt, zsum, dE, dC, dbias, prepared) with the gradients of sum_t g[t] * loss[t]: dE the
     fp32 partial sum over this rank's vocabulary (in e's dtype, rounded once, where dC is and the
     call has one rank: de_dtype below), dbias fp32, dC in c's dtype (fp32 where it goes into an
@@ -48,8 +48,8 @@ def one_pass(e, c, bias, targets, start, prepare, watch, cfg: LossConfig, comm, 
 
     targets: the caller's (flat, contiguous), rows of c being vocabulary rows start ...
     prepare(): the targets' pass, prepared = (each token's row of c or -1, keep, counts,
-    grad_scale) as LinearCrossEntropyFunction takes them; g = keep * grad_scale (0 at ignored
-    tokens, whose gradients are thus 0). It is called once the first block's fused GEMM is queued:
+    grad_scale) as LinearCrossEntropyFunction takes them; g = keep * grad_scale * weights (weights:
+    None or fp32 [n]; 0 at ignored tokens, whose gradients are thus 0). It is called once the first block's fused GEMM is queued:
     the host's work before that GEMM is the GPU's idle time at the start of a call (on an H100,
     the targets' pass and its check took 0.3-0.4 ms of host time there; Phi 3.5 mini's loss and
     gradients take 7.5 ms). watch: gets every rank's count of bad targets (_BadTargets), after the
@@ -92,6 +92,8 @@ def one_pass(e, c, bias, targets, start, prepare, watch, cfg: LossConfig, comm, 
     bad = _BadTargets(prepared[2], comm, watch)  # sent with the first block's statistics
     raw, targets = targets, prepared[0]
     g_rows = torch.mul(prepared[1], prepared[3])
+    if weights is not None:  # per-token weights: the weighted loss's gradients, in the same pass
+        g_rows = g_rows * weights
     zsum = torch.empty(n, **f32) if uniform else None
     # dC in c's dtype on the fused path without a uniform term: the first block's GEMM writes it,
     # later blocks' GEMMs add to it (each rounded once). The batch's target rows, where the target

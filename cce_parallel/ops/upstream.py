@@ -1,65 +1,34 @@
-"""The upstream gradient: what the backward makes of it, and what the host learns from it.
+"""The upstream gradient: what the backward makes of it, and what a loss learns from it.
 
-The one-pass forward makes the gradients for g = grad_scale on every kept token. Its backward
-scales them by the upstream gradient over that, which is exact when g is one number over the kept
-tokens (reduction mean or sum, or Megatron's loss_mask / count with the mask folded into
-ignore_index, where the ratio is 1 and nothing moves), except for a bf16 dC or dE, rounded once
-already: a ratio that is not a power of two has them recomputed (kernels.snap_ratio decides on the
-device, kernels.weighted_grads recomputes), and the forwards after make them for that number
-(loss_scale below). An fp32 dE, linear in g per token, scales per row whatever g is.
+The one-pass forward makes the gradients for g = grad_scale * weight on every kept token. Its
+backward scales them by the upstream gradient over grad_scale, which is exact when that is one
+number over the kept tokens (reduction mean or sum, weights given in the forward, or Megatron's
+loss_mask / count with the mask folded into ignore_index, where the ratio is 1 and nothing moves),
+except for a bf16 dC or dE, rounded once already: a ratio that is not a power of two has them
+recomputed (kernels.snap_ratio decides on the device, kernels.weighted_grads recomputes). An fp32
+dE, linear in g per token, scales per row whatever g is.
 
-What a per-token g is over the kept tokens is decided on the device, without a host sync
-(_weights_over_kept): one number, as above; otherwise kernels.weighted_grads recomputes dC, dbias
-and a bf16 dE (exact), and the host learns the kind (a call later, on a GPU). Any weights but a
-mask: later per-token calls take the lean path. One number r and 0 on m tokens (Megatron's
-loss_mask / count with the mask not folded): later per-token calls make dC and dE in fp32
-(masked_weights_seen). Once the host knows of a mask, the backward of a forward that made fp32
-gradients sorts its weights in one host sync (_weights_kind); for a mask dC and dbias become
-r (dC - the m rows' part), that part recomputed by the lean backward on those m rows alone, so that
-the cost follows m.
+What a per-token upstream gradient is over the kept tokens is decided on the device, without a
+host sync (_weights_over_kept): one number, as above; otherwise kernels.weighted_grads recomputes
+dC, dbias and a bf16 dE (exact). Where the forward made fp32 gradients (UpstreamState.fp32_grads),
+the backward sorts the weights in one host sync (_weights_kind): for a mask (one number r and 0 on
+m tokens) dC and dbias become r (dC - the m rows' part), that part recomputed by the lean backward
+on those m rows alone, so that the cost follows m.
+
+A call's path follows from its arguments and from the UpstreamState it is given, and from nothing
+else. A LinearCrossEntropy module and the Megatron output layer each own one, which learns from
+their own backwards: per-token weights that were neither one number nor a mask send that loss's
+later reduction="none" calls down the lean path; a mask makes them compute fp32 gradients; a bf16
+dC made for the wrong loss scale teaches the scale. A plain function call passes no state and
+learns nothing: each such call takes the path its arguments choose.
 """
 
 import math
 import warnings
+from collections import Counter
 from numbers import Real
 
 import torch
-
-# What the host has learned of earlier backwards' upstream gradients:
-#
-# per_token_weights_seen: a per-token loss's backward got weights that were neither one number nor
-# one number and 0 over the kept tokens (_MANY). From then on, reduction "none" takes the lean path
-# (ops/functional.py), which computes them with no wasted work.
-# masked_weights_seen: a per-token loss's backward got one number and 0 over the kept tokens (_MASK:
-# Megatron's (loss * loss_mask).sum() / count with the mask not folded into ignore_index). From then
-# on, reduction "none" makes dC and dE in fp32 in the forward (LossConfig.fp32_grads) and sorts the
-# weights in the backward on the host, so that a mask's backward subtracts the masked rows' part.
-# Both are learned from the device's report (read_backward_reports): training loops call the loss
-# the same way every step, so only the first call (on a GPU the first two) recomputes all.
-#
-# loss_scale: the default of the loss's loss_scale argument (ops/functional.py), for calls that pass
-# none: the number the one-pass forward makes a bf16 dC and dE for (no fp32 main_grad), times
-# the reduction's own weights: what the caller multiplies the reduced loss by before the backward
-# (1 / micro-batches in Megatron's schedule). The backward scales the stored gradients by the
-# upstream gradient over that; a bf16 gradient scaled by a number that is not a power of two would
-# be rounded a second time (worse than plain bf16 PyTorch), so there kernels.weighted_grads
-# recomputes it (exact, slow) and the host learns the number for later calls (read_backward_reports:
-# on a GPU from the second call after). expect_loss_scale sets it beforehand.
-# loss_scale_unsteady: the number changed between two backwards in a row (loss sites with different
-# weights, say): bf16-dC calls take the lean path from then on, exact for any upstream gradient.
-# A call given loss_scale uses that number as it is: the one-pass path, whatever these two say, and
-# its backward's report teaches them nothing (a number that disagrees is recomputed, with a warning).
-per_token_weights_seen = False
-masked_weights_seen = False
-loss_scale = 1.0
-loss_scale_unsteady = False
-_last_missed = False  # the last report was a miss (loss_scale is the number it brought)
-
-# Reports of backwards on a GPU not yet read on the host: (pinned fp32 [2] = (code, ratio), event,
-# the loss_scale its forward used, whether the caller gave it). code: the per-token weights' kind
-# (_ONE, _MANY, _MASK), plus _MISSED where the number's ratio to loss_scale is not a power of two (a
-# bf16 dC / dE recomputed).
-_reports: list = []
 
 
 def check_loss_scale(scale, name: str = "loss_scale") -> float:
@@ -67,50 +36,6 @@ def check_loss_scale(scale, name: str = "loss_scale") -> float:
     if not (isinstance(scale, Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale != 0):
         raise ValueError(f"{name} must be a finite nonzero number, got {scale!r}")
     return float(scale)
-
-
-def expect_loss_scale(scale: float) -> None:
-    """Set the process-wide default of the loss's loss_scale argument: what the reduced loss will
-    be multiplied by before its backward (for example 1 / micro-batches where the loss is divided
-    by their number), so that a bf16 dC computed in the forward is made for it: rounded once, with
-    no recompute at the first backward. Calls that pass loss_scale use theirs instead (the
-    documented way); without either the loss learns the number from its backwards. It also ends an
-    "unsteady" state (changing numbers sent bf16 calls down the lean path): the one-pass path is
-    taken again, until two different numbers in a row are seen again."""
-    global loss_scale, loss_scale_unsteady, _last_missed
-    loss_scale = check_loss_scale(scale, "expect_loss_scale: scale")
-    loss_scale_unsteady, _last_missed = False, False
-
-
-def _warn_many():
-    global per_token_weights_seen
-    if not per_token_weights_seen:
-        per_token_weights_seen = True
-        warnings.warn(
-            "cce_parallel: a per-token loss's upstream gradient was neither one number nor one number and 0 over "
-            "the kept tokens, so the gradients computed in the forward could not just be scaled; they were "
-            "recomputed (exact, slower). Later calls with reduction='none' in this process take the lean path "
-            "(logits_budget='lean').",
-            stacklevel=3,
-        )
-
-
-def _learn_scale(value: float):
-    """A backward's upstream number was `value` (times the reduction's weights), not loss_scale."""
-    from cce_parallel import kernels
-
-    global loss_scale, loss_scale_unsteady, _last_missed
-    near = kernels.SNAP_ULPS * 2.0**-23 * abs(loss_scale)  # two numbers this close are one, as in snap_ratio
-    if _last_missed and abs(value - loss_scale) > near and not loss_scale_unsteady:
-        loss_scale_unsteady = True
-        warnings.warn(
-            f"cce_parallel: the loss's upstream gradient changed between backwards ({loss_scale:g}, then "
-            f"{value:g}: loss sites with different weights?). A bf16 dC made in the forward would be rounded twice, "
-            "so calls without an fp32 main_grad take the lean path from now on (exact, slower). Each call's own "
-            "loss_scale argument (or one per process: cce_parallel.expect_loss_scale) keeps the one-pass speed.",
-            stacklevel=4,
-        )
-    loss_scale, _last_missed = value, True
 
 
 _ONE, _MANY, _MASK = 0, 1, 2  # the per-token weights' kinds, as the device reports them
@@ -155,52 +80,130 @@ def _weights_kind(w: torch.Tensor, keep: torch.Tensor):
     return ("mask" if zeros else "one"), lo
 
 
-def _saw_masked():
-    global masked_weights_seen
-    masked_weights_seen = True
+class UpstreamState:
+    """What one loss has learned from its own backwards' upstream gradients; its owner (a
+    LinearCrossEntropy module, the Megatron output layer) passes it to every call, and `reset()`
+    forgets it all. Nothing else in the process reads or writes it.
 
+    per_token_weights_seen: a reduction="none" backward got weights that were neither one number
+    nor one number and 0 over the kept tokens: later reduction="none" calls take the lean path,
+    which computes them with no wasted work (four GEMMs instead of three plus a recompute).
+    masked_weights_seen: such a backward got one number and 0 (Megatron's (loss * loss_mask).sum()
+    / count with the mask not folded into ignore_index): later reduction="none" calls make dC and
+    dE in fp32, so that the backward takes out the masked rows' part.
+    loss_scale: the number a bf16 dC and dE are made for when the call gives none: what the reduced
+    loss is multiplied by before its backward (1 / micro-batches in Megatron's schedule), learned
+    from a backward that brought another (its gradients were recomputed, exact, slow).
+    loss_scale_unsteady: the number changed between two backwards in a row (two loss sites with
+    different weights): bf16 calls without a given loss_scale take the lean path from then on.
+    paths: a Counter of what ran, by name: "one_pass" / "lean" forwards; "scaled" (the forward's
+    gradients scaled), "checked" (per-token weights sorted on the device: scaled, or recomputed as
+    the report says), "recomputed", "mask_corrected" and "lean" backwards.
 
-def _report(packed: torch.Tensor, used: float, given: bool):
-    """Send a backward's report (fp32 [2] = code, ratio; kernels.snap_ratio) to the host: at once on
-    a CPU; on a GPU through a pinned copy that the next call of the loss reads after its forward
-    (read_backward_reports). used: the loss scale its forward made the gradients for; given: the
-    caller passed it (then the report teaches the default nothing). Every tensor-parallel rank gets
-    the same upstream gradient, so they all learn the same at the same call."""
-    if packed.is_cuda:
-        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        _reports.append((host, event, used, given))
-    else:
-        _reports.append((packed, None, used, given))
-        read_backward_reports()
+    On a GPU the host learns a backward's report one call late (read_reports, after the next
+    forward), so that no call waits for it.
+    """
 
+    def __init__(self):
+        self.reset()
 
-def read_backward_reports():
-    """What earlier backwards reported (_report), in their order; ops/functional.py calls this
-    after each call's forward has waited for its targets' counts, which the stream orders after
-    the earlier backwards' reports: on a GPU the host learns a backward's report one call late."""
-    global _last_missed
-    while _reports:
-        host, event, used, given = _reports.pop(0)
-        if event is not None:
-            event.synchronize()
-        code, ratio = host.tolist()
-        kind, missed = int(code) % _MISSED, code >= _MISSED
-        if kind == _MANY:
-            _warn_many()
-        elif kind == _MASK:
-            _saw_masked()
-        if given:  # the caller's number stays theirs; the default learns nothing from it
-            if missed:
-                warnings.warn(
-                    f"cce_parallel: the loss's upstream gradient was {ratio * used:g} (times the reduction's "
-                    f"weights), not the loss_scale={used:g} it was given, so its bf16 gradients were "
-                    "recomputed (exact, slower). Pass the number the loss is multiplied by before its backward.",
-                    stacklevel=3,
-                )
-        elif missed:
-            _learn_scale(ratio * used)
+    def reset(self):
+        """Forget everything learned: the next call takes the path its arguments choose."""
+        self.per_token_weights_seen = False
+        self.masked_weights_seen = False
+        self.loss_scale = 1.0
+        self.loss_scale_unsteady = False
+        self.paths = Counter()
+        self._last_missed = False  # the last report was a miss (loss_scale is the number it brought)
+        # Reports not yet read on the host: (fp32 [2] = (code, ratio), event or None, the loss scale
+        # the forward used, whether the caller gave it). code: _ONE, _MANY or _MASK, plus _MISSED
+        # where the ratio to that scale was not a power of two (a bf16 dC / dE recomputed).
+        self._reports = []
+
+    def __repr__(self):
+        learned = [f"loss_scale={self.loss_scale:g}"]
+        for name in ("per_token_weights_seen", "masked_weights_seen", "loss_scale_unsteady"):
+            if getattr(self, name):
+                learned.append(f"{name}=True")
+        return f"UpstreamState({', '.join(learned)}, paths={dict(self.paths)})"
+
+    def expect_loss_scale(self, scale: float) -> None:
+        """Set loss_scale beforehand (and end an unsteady state): the first backward at that scale
+        then recomputes nothing. A call's own loss_scale argument takes precedence."""
+        self.loss_scale = check_loss_scale(scale, "expect_loss_scale: scale")
+        self.loss_scale_unsteady = self._last_missed = False
+
+    def saw_many(self):
+        if not self.per_token_weights_seen:
+            self.per_token_weights_seen = True
+            warnings.warn(
+                "cce_parallel: a per-token loss's upstream gradient was neither one number nor one number and 0 "
+                "over the kept tokens, so the gradients computed in the forward were recomputed (exact, slower). "
+                "This loss's later calls with reduction='none' take the lean path; weights known before the "
+                "forward (weights=) keep the one-pass speed.",
+                stacklevel=4,
+            )
+
+    def saw_mask(self):
+        self.masked_weights_seen = True
+
+    def _learn_scale(self, value: float):
+        """A backward's upstream number was `value` (times the reduction's weights), not loss_scale."""
+        from cce_parallel import kernels
+
+        near = kernels.SNAP_ULPS * 2.0**-23 * abs(self.loss_scale)  # as close as snap_ratio's "one number"
+        if self._last_missed and abs(value - self.loss_scale) > near and not self.loss_scale_unsteady:
+            self.loss_scale_unsteady = True
+            warnings.warn(
+                f"cce_parallel: the loss's upstream gradient changed between backwards ({self.loss_scale:g}, then "
+                f"{value:g}: one loss module used at sites with different weights?). A bf16 dC made in the forward "
+                "would be rounded twice, so this loss's calls without an fp32 main_grad take the lean path from now "
+                "on (exact, slower). A loss_scale argument per call (or a module per site) keeps the one-pass speed.",
+                stacklevel=5,
+            )
+        self.loss_scale, self._last_missed = value, True
+
+    def report(self, packed: torch.Tensor, used: float, given: bool):
+        """Queue a backward's report (fp32 [2] = code, ratio; kernels.snap_ratio): read at once on
+        a CPU; on a GPU through a pinned copy that the next call reads after its forward. used: the
+        loss scale the forward made the gradients for; given: the caller passed it (the report then
+        teaches loss_scale nothing). Every tensor-parallel rank gets the same upstream gradient, so
+        all ranks' states learn the same at the same call."""
+        if packed.is_cuda:
+            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._reports.append((host, event, used, given))
         else:
-            _last_missed = False
+            self._reports.append((packed, None, used, given))
+            self.read_reports()
+
+    def read_reports(self):
+        """What earlier backwards reported, in their order. ops/functional.py calls this after a
+        call's forward has waited for its targets' counts, which the stream orders after the
+        earlier backwards' reports: so it never waits on the GPU."""
+        while self._reports:
+            host, event, used, given = self._reports.pop(0)
+            if event is not None:
+                event.synchronize()
+            code, ratio = host.tolist()
+            kind, missed = int(code) % _MISSED, code >= _MISSED
+            if kind == _MANY:
+                self.saw_many()
+            elif kind == _MASK:
+                self.saw_mask()
+            if kind != _ONE or missed:
+                self.paths["recomputed"] += 1
+            if given:  # the caller's number stays theirs; loss_scale learns nothing from it
+                if missed:
+                    warnings.warn(
+                        f"cce_parallel: the loss's upstream gradient was {ratio * used:g} (times the reduction's "
+                        f"weights), not the loss_scale={used:g} it was given, so its bf16 gradients were "
+                        "recomputed (exact, slower). Pass the number the loss is multiplied by before its backward.",
+                        stacklevel=3,
+                    )
+            elif missed:
+                self._learn_scale(ratio * used)
+            else:
+                self._last_missed = False

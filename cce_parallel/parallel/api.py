@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from cce_parallel.ops.functional import check_inputs, sharded_linear_cross_entropy
+from cce_parallel.ops.upstream import UpstreamState
 from cce_parallel.parallel import dtensor
 from cce_parallel.parallel.collectives import GroupCollectives
 from cce_parallel.parallel.vocab import agree_on_layout
@@ -26,6 +27,8 @@ def linear_cross_entropy(
     logits_budget: Union[str, int] = "auto",
     loss_scale: Optional[float] = None,
     return_lse: bool = False,
+    weights: Optional[torch.Tensor] = None,
+    state: Optional[UpstreamState] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_range: Optional[Tuple[int, int]] = None,
     sequence_parallel: bool = False,
@@ -44,7 +47,8 @@ def linear_cross_entropy(
         softcap: Gemma 2 style soft-capping, logits become softcap * tanh(logits / softcap).
         label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy, over the full vocabulary.
         z_loss: adds z_loss * lse**2 per token (lse over the full vocabulary).
-        reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens).
+        reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens;
+            with weights, sum(weights * loss) / sum(weights) over them, as torch's `weight`).
         impl: one of IMPLS (see docs/internals.md, "Which path, and which impl").
         logits_budget: bytes of the logits buffer per token block when gradients are computed in
             the forward (the one-pass path; logits in the input dtype, fp32 for fp16 inputs):
@@ -54,11 +58,21 @@ def linear_cross_entropy(
         loss_scale: the number the loss (its mean over the kept tokens, for reduction "none") is
             multiplied by before its backward, e.g. 1 / micro-batches: a bf16 dC (and dE) made in
             the forward is made for it, rounded once. Used as given; a backward that brings
-            another number still gets exact gradients (recomputed, slower, with a warning). None:
-            the process-wide default (cce_parallel.expect_loss_scale, else learned from earlier
-            backwards). Finite and nonzero.
+            another number still gets exact gradients (recomputed, slower). None: the state's
+            (learned from its backwards), or 1 without a state. Finite and nonzero.
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
+        weights: per-token weights known before the forward (a loss mask, SFT token weights, RL
+            advantages), shaped like targets, any float dtype, any sign: each kept token's loss
+            is multiplied by its weight, and the one-pass gradients are made for the weighted
+            loss in the same pass (three GEMMs, as the plain mean). Multiplying a
+            reduction="none" loss by weights afterwards gives the same numbers but costs a
+            recompute of ∇c in the backward. A weights tensor that requires grad gets the
+            per-token loss as its gradient.
+        state: an UpstreamState that keeps what this loss learns from its backwards (how the
+            upstream gradient was weighted, the loss scale) and records the paths taken;
+            LinearCrossEntropy and the Megatron layer pass their own. None (a plain call):
+            nothing is learned, and the call's path follows from its arguments alone.
         tp_group: the tensor-parallel ProcessGroup whose ranks each hold a shard of c.
         vocab_range: (start, stop) rows of the full classifier this rank holds; default: equal,
             contiguous shards in rank order.
@@ -84,7 +98,7 @@ def linear_cross_entropy(
     options = dict(
         bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
         reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
-        return_lse=return_lse, c_main_grad=_main_grad_source(main_grad, c),
+        return_lse=return_lse, weights=weights, state=state, c_main_grad=_main_grad_source(main_grad, c),
     )
     if tp_group is None:
         if vocab_range is not None or sequence_parallel:
@@ -100,7 +114,7 @@ def linear_cross_entropy(
         check_inputs(
             e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
             z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
-            row_ranks=world if sequence_parallel else 1,
+            row_ranks=world if sequence_parallel else 1, weights=weights,
         )
         if vocab_range is not None:
             if len(vocab_range) != 2 or not all(isinstance(x, int) for x in vocab_range):
@@ -138,22 +152,32 @@ def _main_grad_source(main_grad, c):
 
 
 class LinearCrossEntropy(torch.nn.Module):
-    """Cut cross-entropy loss with fixed options; forward(e, c, targets, bias=None).
+    """Cut cross-entropy loss with fixed options; forward(e, c, targets, bias=None, weights=None).
 
     Takes the same keyword options as `cce_parallel.linear_cross_entropy`, tp_group and loss_scale
-    included (held in `options`, shown in its repr).
+    included (held in `options`, shown in its repr). It owns an UpstreamState, `state`: what its own
+    backwards taught it (per-token weights that came only in the backward send its later
+    reduction="none" calls down the lean path; the loss scale), and the paths its calls took, also
+    shown in its repr. `reset_state()` forgets it. Another instance, or a plain function call, never
+    sees it.
     """
 
     def __init__(self, **options):
         super().__init__()
-        allowed = set(linear_cross_entropy.__kwdefaults__) - {"bias"}
+        allowed = set(linear_cross_entropy.__kwdefaults__) - {"bias", "weights", "state"}
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"LinearCrossEntropy got unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
         self.options = options
+        self.state = UpstreamState()
 
-    def forward(self, e, c, targets, bias=None):
-        return linear_cross_entropy(e, c, targets, bias=bias, **self.options)
+    def forward(self, e, c, targets, bias=None, weights=None):
+        return linear_cross_entropy(e, c, targets, bias=bias, weights=weights, state=self.state, **self.options)
+
+    def reset_state(self):
+        """Forget what the backwards taught (UpstreamState.reset)."""
+        self.state.reset()
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k != "tp_group")
+        shown = [f"{k}={v!r}" for k, v in self.options.items() if k != "tp_group"]
+        return ", ".join(shown + [f"state={self.state!r}"])

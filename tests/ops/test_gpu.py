@@ -19,6 +19,7 @@ import functools
 import pytest
 import torch
 
+import cce_parallel
 from cce_parallel import IMPLS, linear_cross_entropy
 from tests.helpers import check_meta, errors, peaked_inputs, random_inputs, run, upstream
 from tests.oracle import oracle, plain_torch, rel_err
@@ -342,9 +343,9 @@ def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(told):
     plain bf16 PyTorch here (checked first, so that the test shows the defect it guards against).
     Ours: the first backward recomputes dC and dE (kernels.weighted_grads; dE too is made in bf16
     in the forward on one rank) and the host learns the 3, after which the forward makes them for
-    it; told beforehand (the call's loss_scale, or the process-wide expect_loss_scale), no recompute
+    it; told beforehand (the call's loss_scale, or the state's expect_loss_scale), no recompute
     at all. Every call's errors are within plain PyTorch's."""
-    from cce_parallel.ops import upstream as ops_upstream
+    state = cce_parallel.UpstreamState()
 
     n, v, d = 4096, 32064, 3072
     inputs = random_inputs((n,), v, d, dtype=BF16, device=torch.device("cuda"))
@@ -357,15 +358,16 @@ def test_bf16_dc_at_an_upstream_number_not_a_power_of_two(told):
     show("bf16 dC made for 1, then scaled by 3", {"dc": twice}, plain_errs)
     assert twice > SLACK * plain_errs["dc"]
     if told == "expect_loss_scale":
-        ops_upstream.expect_loss_scale(3.0)
+        state.expect_loss_scale(3.0)
     told_options = {**options, "loss_scale": 3.0} if told == "loss_scale" else options
+    told_options = dict(told_options, state=state)
     for call in ("first", "second"):
         errs = errors(run(linear_cross_entropy, inputs, told_options, three), ref)
         show(f"upstream 3, {call} call, told by {told}", errs, plain_errs)
         bad = worse_than_plain(errs, plain_errs)
         assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
-        ops_upstream.read_backward_reports()  # now, not after the next forward
-        assert ops_upstream.loss_scale == (1.0 if told == "loss_scale" else 3.0)  # a given number teaches nothing
+        state.read_reports()  # now, not after the next forward
+        assert state.loss_scale == (1.0 if told == "loss_scale" else 3.0)  # a given number teaches nothing
 
 
 @pytest.mark.parametrize("n, v, d", [(1, 1, 16), (1, 128, 32), (37, 300, 48), (64, 4096, 64)])
@@ -390,7 +392,8 @@ def test_bf16_masked_upstream_not_folded():
     in fp32 and their backward subtracts the masked rows' part (the lean backward on those rows
     alone). Every call's errors are within plain bf16 PyTorch's."""
     from cce_parallel.ops import autograd
-    from cce_parallel.ops import upstream as ops_upstream
+
+    state = cce_parallel.UpstreamState()
 
     n, v, d = 4096, 32064, 3072
     inputs = random_inputs((n,), v, d, dtype=BF16, device=torch.device("cuda"))
@@ -404,29 +407,30 @@ def test_bf16_masked_upstream_not_folded():
     autograd.lean_backward = lambda e, *a, **k: lean_rows.append(e.shape[0]) or lean_backward(e, *a, **k)
     try:
         for call in range(3):
-            out = run(linear_cross_entropy, inputs, {"impl": "cce_kahan_full_c", "reduction": "none"}, grad_loss)
+            out = run(linear_cross_entropy, inputs, {"impl": "cce_kahan_full_c", "reduction": "none", "state": state},
+                      grad_loss)
             errs = errors(out, ref)
             show(f"masked upstream, not folded, call {call}", errs, plain_errs)
             bad = worse_than_plain(errs, plain_errs)
             assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
     finally:
         autograd.lean_backward = lean_backward
-    assert ops_upstream.masked_weights_seen and not ops_upstream.per_token_weights_seen
+    assert state.masked_weights_seen and not state.per_token_weights_seen
     masked_kept = int(((mask == 0) & (inputs["targets"] != -100)).sum())
     assert lean_rows == [masked_kept], lean_rows  # the third call's correction
 
 
 @pytest.mark.parametrize("budget, upstream_kind", [("auto", "mean"), ("lean", "mean"), ("auto", "masked"),
-                                                   ("auto", "weighted")])
+                                                   ("auto", "weighted"), ("auto", "weights="), ("lean", "weights=")])
 def test_no_host_sync_in_a_training_step(budget, upstream_kind):
     """Forward and backward (some targets ignored) never make the host wait
     (torch.cuda.set_sync_debug_mode("error") raises on a sync), so the host can queue the next
     work while the GPU runs the loss. The only wait is on an event behind the targets' pass.
     That holds for a mean, for Megatron's (loss * mask).sum() / mask.sum() with the mask folded,
-    and for per-token weights (whose dC the device recomputes: checked against a lean run).
-    A target out of range still raises, naming it."""
-    from cce_parallel.ops import upstream as ops_upstream
-
+    for per-token weights given in the forward (weights=), and for per-token weights only in the
+    backward (whose dC the device recomputes: checked against a lean run). A target out of range
+    still raises, naming it."""
+    state = cce_parallel.UpstreamState()
     g = torch.Generator(device="cuda").manual_seed(6)
     e = torch.randn(512, 256, device="cuda", generator=g).bfloat16().requires_grad_()
     c = (torch.randn(3000, 256, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
@@ -438,22 +442,27 @@ def test_no_host_sync_in_a_training_step(budget, upstream_kind):
 
     def loss_of(budget):
         if upstream_kind == "mean":
-            return linear_cross_entropy(e, c, t, logits_budget=budget)
-        return (linear_cross_entropy(e, c, t, logits_budget=budget, reduction="none") * weights).sum()
+            return linear_cross_entropy(e, c, t, logits_budget=budget, state=state)
+        if upstream_kind == "weights=":
+            return linear_cross_entropy(e, c, t, logits_budget=budget, weights=weights, reduction="sum", state=state)
+        return (linear_cross_entropy(e, c, t, logits_budget=budget, reduction="none", state=state) * weights).sum()
 
     loss_of(budget).backward()  # compile the kernels first
     torch.cuda.synchronize()
     e.grad = c.grad = None
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = loss_of(budget)
-        loss.backward()
+        # Weights only in the backward: the second call's forward reads the first's report, so the
+        # third defers dC to its backward (the state learned of the weights).
+        for _ in range(2 if upstream_kind == "weighted" else 1):
+            e.grad = c.grad = None
+            loss = loss_of(budget)
+            loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss) and e.grad[::5].eq(0).all() and e.grad[1::5].ne(0).any()
     if upstream_kind == "weighted":
-        # The first call's report reached the host during the second's forward: later calls go lean.
-        assert ops_upstream.per_token_weights_seen
+        assert state.per_token_weights_seen and state.paths["deferred"] == 1
         de, dc = e.grad, c.grad
         e.grad = c.grad = None
         loss_of("lean").backward()

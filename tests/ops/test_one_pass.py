@@ -17,8 +17,8 @@ import torch
 from cce_parallel import LinearCrossEntropy, linear_cross_entropy
 from cce_parallel.ops import autograd, common
 from cce_parallel.ops import one_pass as one_pass_module
-from cce_parallel.ops import upstream as ops_upstream
-from tests.helpers import check_against_oracle, errors, fresh_backward_state, random_inputs, run, upstream
+from cce_parallel.ops.upstream import UpstreamState
+from tests.helpers import check_against_oracle, errors, random_inputs, run, upstream
 from tests.oracle import oracle, rel_err
 
 V, D, N = 517, 48, 37
@@ -42,11 +42,17 @@ def lean_calls(monkeypatch):
     return calls
 
 
-def _then_flags(call):
+@pytest.fixture
+def state():
+    """The UpstreamState a loss module would own: what its backwards teach it (ops/upstream.py)."""
+    return UpstreamState()
+
+
+def _then_flags(call, state):
     """call(), then read the backward's report as the next call would: on a GPU the host learns of
-    per-token weights after the next call's forward (ops_upstream.read_backward_reports), on a CPU at once."""
+    per-token weights after the next call's forward (UpstreamState.read_reports), on a CPU at once."""
     call()
-    ops_upstream.read_backward_reports()
+    state.read_reports()
 
 
 class _Calls(list):
@@ -84,7 +90,7 @@ def test_ignore_index_may_be_a_token_of_the_vocabulary(budget, device):
     check_against_oracle(linear_cross_entropy, x, options, TIGHT, label="ignore_index=3")
 
 
-def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monkeypatch):
+def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monkeypatch, state):
     """(loss * mask).sum() / mask.sum() with the mask folded into ignore_index: the upstream gradient
     is exactly the forward's 1 / kept, so the device finds ratio 1 (dC and dbias scale by it, which
     moves nothing) and no per-token weights (the recompute's programs return at once), with no host
@@ -99,38 +105,49 @@ def test_megatron_mask_over_count_hands_out_dc_unscaled(device, lean_calls, monk
                         lambda flag, *a, **k: flags.append(flag.item()) or real_weighted(flag, *a, **k))
     e, c = x["e"].detach().requires_grad_(), x["c"].detach().requires_grad_()
     mask = (x["targets"] != -100).float()
-    loss = (linear_cross_entropy(e, c, x["targets"], impl=IMPL, reduction="none") * mask).sum() / mask.sum()
+    loss = (linear_cross_entropy(e, c, x["targets"], impl=IMPL, reduction="none", state=state) * mask).sum()
+    loss = loss / mask.sum()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loss.backward()
     ref = oracle(e.detach(), c.detach(), x["targets"], reduction="mean")
     assert rel_err(e.grad, ref.de) < 5e-5 and rel_err(c.grad, ref.dc) < 5e-5
     assert ratios == [1.0] and flags == [0] and lean_calls == []
-    assert not ops_upstream.per_token_weights_seen and not ops_upstream.masked_weights_seen
+    assert not state.per_token_weights_seen and not state.masked_weights_seen
+    assert state.paths == {"one_pass": 1, "checked": 1}
 
 
 @pytest.mark.parametrize("options", [{"z_loss": 1e-3}, {"label_smoothing": 0.1, "softcap": 3.0}])
-def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls):
-    """Per-token weights: dE scales per row, kernels.weighted_grads recomputes dC and dbias (the lean
-    backward does not run), and the next per-token call takes the lean path."""
+def test_per_token_weights_scale_de_and_recompute_dc(options, device, lean_calls, state):
+    """Per-token weights only in the backward: dE scales per row, kernels.weighted_grads recomputes
+    dC and dbias (the lean backward does not run), and the state learns of them: the next per-token
+    call that passes it makes dE alone in its forward and dC in its backward (deferred); a call
+    without it makes all of them in the forward again."""
     x = inputs(device)
     options = dict(options, impl=IMPL, reduction="none")
+    loss_fn = functools.partial(linear_cross_entropy, state=state)
     grad_loss, _ = upstream(x["targets"], "none", False)
     with pytest.warns(UserWarning, match="neither one number"):
-        _then_flags(lambda: check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss,
-                                                 label="weights"))
-    assert ops_upstream.per_token_weights_seen and lean_calls == []
-    # The next per-token call takes the lean path from the start (its backward computes dE too).
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label="weights, later")
-    assert lean_calls == [True]
-    # reduction "mean" keeps the one-pass path.
-    run(linear_cross_entropy, x, dict(options, reduction="mean"))
-    assert lean_calls == [True]
+        _then_flags(lambda: check_against_oracle(loss_fn, x, options, TIGHT, grad_loss=grad_loss,
+                                                 label="weights"), state)
+    assert state.per_token_weights_seen and lean_calls == []
+    assert state.paths == {"one_pass": 1, "checked": 1, "recomputed": 1}
+    # The next per-token call defers dC to its backward, which recomputes nothing else.
+    made = []
+    real = autograd.one_pass
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(autograd, "one_pass", lambda *a, **k: made.append((a[8].need_de, a[8].need_dc)) or real(*a, **k))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_against_oracle(loss_fn, x, options, TIGHT, grad_loss=grad_loss, label="weights, later")
+        assert made == [(True, False), (False, True)] and lean_calls == [] and state.paths["deferred"] == 1
+        # reduction "mean" makes them all in the forward, and so does a call that passes no state.
+        run(loss_fn, x, dict(options, reduction="mean"))
+        run(linear_cross_entropy, x, options, grad_loss)
+    assert made[2:] == [(True, True), (True, True)] and lean_calls == [] and state.paths["one_pass"] == 3
 
 
-def test_nan_weight_reaches_the_gradients(device, lean_calls):
+def test_nan_weight_reaches_the_gradients(device, lean_calls, state):
     """A NaN upstream gradient on one kept token (the others one number and 0) is "many" weights:
     kernels.weighted_grads recomputes, and the NaN reaches dC as it would in plain PyTorch."""
     x = inputs(device)
@@ -138,9 +155,9 @@ def test_nan_weight_reaches_the_gradients(device, lean_calls):
     kept = (x["targets"] != -100).nonzero().squeeze(1)
     grad_loss[kept[0]] = float("nan")
     with pytest.warns(UserWarning, match="neither one number"):
-        out = run(linear_cross_entropy, x, {"impl": IMPL, "reduction": "none"}, grad_loss)
+        out = run(linear_cross_entropy, x, {"impl": IMPL, "reduction": "none", "state": state}, grad_loss)
     assert out.dc.isnan().any() and out.de[kept[0]].isnan().all() and lean_calls == []
-    assert ops_upstream.per_token_weights_seen
+    assert state.per_token_weights_seen
 
 
 def _masked_case(device, masked, scale=3.0, **kw):
@@ -159,7 +176,7 @@ def _masked_case(device, masked, scale=3.0, **kw):
 @pytest.mark.parametrize("masked", [0.1, 0.3])
 @pytest.mark.parametrize("options", [{}, {"softcap": 3.0}, {"label_smoothing": 0.1}, {"z_loss": 1e-3},
                                      {"label_smoothing": 0.1, "softcap": 3.0, "logits_budget": 3 * 4 * V}])
-def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean_calls):
+def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean_calls, state):
     """Megatron's loss_mask / count with the mask not folded (one number on the kept tokens, 0 on
     the masked ones): the first call's weights are sorted on the device (kernels.weighted_grads
     recomputes dC and dbias; the host learns of the mask: masked_weights_seen, no warning); later
@@ -168,16 +185,18 @@ def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean
     scales per row."""
     x, grad_loss, masked_kept = _masked_case(device, masked)
     options = dict(options, impl=IMPL, reduction="none")
+    loss_fn = functools.partial(linear_cross_entropy, state=state)
     for call in range(3):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label=f"masked {call}")
-            ops_upstream.read_backward_reports()
+            check_against_oracle(loss_fn, x, options, TIGHT, grad_loss=grad_loss, label=f"masked {call}")
+            state.read_reports()
         assert lean_calls == [False] * call and lean_calls.rows == [masked_kept] * call
-        assert ops_upstream.masked_weights_seen and not ops_upstream.per_token_weights_seen
+        assert state.masked_weights_seen and not state.per_token_weights_seen
+    assert state.paths == {"one_pass": 3, "checked": 1, "recomputed": 1, "mask_corrected": 2}
 
 
-def test_masked_upstream_into_main_grad(device, lean_calls):
+def test_masked_upstream_into_main_grad(device, lean_calls, state):
     """With Megatron's main_grad (gradient-accumulation fusion) dC goes into it: recomputed by the
     device at the first call, corrected on the masked rows (fp32, unrounded) at the second; c gets
     no gradient."""
@@ -189,9 +208,9 @@ def test_masked_upstream_into_main_grad(device, lean_calls):
         e, c, bias = (x[k].detach().requires_grad_() for k in ("e", "c", "bias"))
         buffer = torch.full(c.shape, 0.5, device=device)
         loss = functional.sharded_linear_cross_entropy(e, c, x["targets"], bias=bias, impl=IMPL, reduction="none",
-                                                       c_main_grad=lambda buffer=buffer: buffer)
+                                                       c_main_grad=lambda buffer=buffer: buffer, state=state)
         loss.backward(grad_loss)
-        ops_upstream.read_backward_reports()
+        state.read_reports()
         assert c.grad is None and lean_calls.rows == [masked_kept] * call
         assert rel_err(buffer - 0.5, ref.dc) < 5e-5 and rel_err(e.grad, ref.de) < 5e-5
         assert rel_err(bias.grad, ref.dbias) < 5e-5
@@ -710,7 +729,7 @@ def test_bf16_dc_is_summed_in_bf16_with_target_rows_in_fp32(blocks, main_grad, d
 
 @pytest.mark.parametrize("blocks, reduction, primed", [(1, "mean", False), (2, "mean", False),
                                                        (1, "masked", False), (2, "masked", True)])
-def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, primed, device, monkeypatch):
+def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, primed, device, monkeypatch, state):
     """A bf16 dC made in the forward and then scaled by a number that is not a power of two (here
     the loss times 3, as for 3 micro-batches) would be rounded twice: worse than plain bf16
     PyTorch (measured on an H100, docs/accuracy.md). The first backward recomputes it
@@ -724,24 +743,24 @@ def test_bf16_dc_for_an_upstream_number_not_a_power_of_two(blocks, reduction, pr
     e, c, t = _frequent_target_case(device)
     budget = 2 * c.shape[0] * (t.shape[0] // blocks)
     if primed:
-        ops_upstream.expect_loss_scale(3.0)
+        state.expect_loss_scale(3.0)
     for scale, flag in ((3.0, 0 if primed else 1), (3.0, 0), (6.0, 0), (3.0, 0)):
         e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
         if reduction == "mean":
-            loss = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, logits_budget=budget)
+            loss = functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL, logits_budget=budget)
         else:  # Megatron's loss_mask / count with the mask folded into ignore_index
-            per_token = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, logits_budget=budget,
+            per_token = functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL, logits_budget=budget,
                                                                 reduction="none")
             loss = per_token.sum() / (t != -100).sum()
         (loss * scale).backward()
         _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, scale)
         assert flags[-1] == flag, (scale, flags)
-        ops_upstream.read_backward_reports()  # now, not after the next forward (a GPU host would learn then)
-        assert ops_upstream.loss_scale == 3.0 and not ops_upstream.loss_scale_unsteady
+        state.read_reports()  # now, not after the next forward (a GPU host would learn then)
+        assert state.loss_scale == 3.0 and not state.loss_scale_unsteady
 
 
 @pytest.mark.parametrize("known", [False, True])
-def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monkeypatch, lean_calls):
+def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monkeypatch, lean_calls, state):
     """Per-token weights on bf16 inputs: dC and dE were made in the forward in bf16 for one weight
     per kept token, so scaling their rows would round them twice. Flagged on the device,
     kernels.weighted_grads recomputes both, within plain bf16 PyTorch's error. The same where the
@@ -756,9 +775,9 @@ def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monk
     e, c, t = _frequent_target_case(device)
     weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(9)).to(device) + 0.5
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
-    per_token = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, reduction="none")
+    per_token = functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL, reduction="none")
     if known:
-        monkeypatch.setattr(ops_upstream, "per_token_weights_seen", True)
+        state.per_token_weights_seen = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         (per_token * weights).sum().backward()
@@ -766,7 +785,7 @@ def test_bf16_gradients_for_per_token_weights_are_recomputed(known, device, monk
     _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, weights)
 
 
-def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monkeypatch, lean_calls):
+def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monkeypatch, lean_calls, state):
     """Megatron's loss_mask / count with the mask not folded, bf16: the first call's dC and dE were
     rounded to bf16 in the forward, and scaling them by a number that is not a power of two would
     round them twice, so kernels.weighted_grads recomputes both (flagged on the device, no warning)
@@ -788,12 +807,12 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
     masked_kept = int(((mask == 0) & (t != -100)).sum())
     for call in range(2):
         e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
-        per_token = functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL, reduction="none")
+        per_token = functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL, reduction="none")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ((per_token * mask).sum() / mask.sum() * 3.0).backward()
-        ops_upstream.read_backward_reports()  # now, not after the next forward (a GPU host would learn then)
-        assert ops_upstream.masked_weights_seen and not ops_upstream.per_token_weights_seen
+        state.read_reports()  # now, not after the next forward (a GPU host would learn then)
+        assert state.masked_weights_seen and not state.per_token_weights_seen
         if call == 0:
             assert made[-1] == (torch.bfloat16, torch.bfloat16) and lean_calls == [] and flags == [1]
         else:
@@ -802,7 +821,7 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
         _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, mask * (3.0 / mask.sum()))
     # reduction "mean" keeps making them in bf16.
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
-    functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL).backward()
+    functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL).backward()
     assert made[-1] == (torch.bfloat16, torch.bfloat16)
 
 
@@ -811,7 +830,7 @@ def _record(made, out):
     return out
 
 
-def test_bf16_dc_bits_with_a_primed_loss_scale_do_not_depend_on_earlier_calls(device, monkeypatch):
+def test_bf16_dc_bits_with_a_primed_loss_scale_do_not_depend_on_earlier_calls(device, monkeypatch, state):
     """With expect_loss_scale set (as the train job does), the first call at that scale computes
     the same bits as later ones: a run resumed from a checkpoint matches one that never stopped.
     Unprimed, the first call recomputes dC (other bits, as exact) and the later ones match the
@@ -823,14 +842,14 @@ def test_bf16_dc_bits_with_a_primed_loss_scale_do_not_depend_on_earlier_calls(de
     e, c, t = _frequent_target_case(device)
 
     def calls(primed):
-        fresh_backward_state(monkeypatch)
+        state.reset()
         if primed:
-            ops_upstream.expect_loss_scale(3.0)
+            state.expect_loss_scale(3.0)
         grads = []
         for _ in range(3):
             e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
-            (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * 3.0).backward()
-            ops_upstream.read_backward_reports()
+            (functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL) * 3.0).backward()
+            state.read_reports()
             grads.append((e1.grad, c1.grad))
         return grads
 
@@ -842,7 +861,7 @@ def test_bf16_dc_bits_with_a_primed_loss_scale_do_not_depend_on_earlier_calls(de
     assert all(torch.equal(a[1], b[1]) for a, b in zip(again, unprimed))
 
 
-def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, lean_calls):
+def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, lean_calls, state):
     """Two loss sites with different weights (3, then 5, ...): each backward would recompute dC.
     After two different numbers in a row, bf16-dC calls take the lean path (with a warning): from
     the third call on a CPU, the fourth on a GPU (whose host learns one call late).
@@ -856,19 +875,19 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
         warnings.simplefilter("always")
         for scale in (3.0, 5.0, 3.0, 5.0):
             e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
-            (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * scale).backward()
+            (functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL) * scale).backward()
             _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, scale)
     assert [str(w.message) for w in caught if "changed between backwards" in str(w.message)]
-    assert ops_upstream.loss_scale_unsteady
+    assert state.loss_scale_unsteady
     if device.type == "cuda":
         assert flags == [1, 1, 0] and lean_calls == [True]
     else:
         assert flags == [1, 1] and lean_calls == [True, True]
     # Told the number, the loss takes the one-pass path again (and moves nothing at that number).
-    ops_upstream.expect_loss_scale(3.0)
-    assert not ops_upstream.loss_scale_unsteady
+    state.expect_loss_scale(3.0)
+    assert not state.loss_scale_unsteady
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
-    (functional.sharded_linear_cross_entropy(e1, c1, t, impl=IMPL) * 3.0).backward()
+    (functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL) * 3.0).backward()
     _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, 3.0)
     assert flags[-1] == 0 and len(lean_calls) == (1 if device.type == "cuda" else 2)
 
@@ -876,25 +895,29 @@ def test_loss_scales_that_keep_changing_take_the_lean_path(device, monkeypatch, 
 @pytest.mark.parametrize("how", ["function", "module"])
 def test_an_explicit_loss_scale_computes_what_expect_loss_scale_does(how, device, monkeypatch):
     """linear_cross_entropy(..., loss_scale=3) (or LinearCrossEntropy(loss_scale=3)) makes the bf16
-    gradients for 3 as expect_loss_scale(3) does: the same bits, no recompute at the first backward,
-    within plain bf16 PyTorch's error; and the process-wide default stays 1."""
+    gradients for 3 as a state's expect_loss_scale(3) does: the same bits, no recompute at the first
+    backward, within plain bf16 PyTorch's error; and the state's own number stays 1."""
     _bf16_stand_ins(device, monkeypatch)
     flags = _spy_weighted_grads(monkeypatch)
     e, c, t = _frequent_target_case(device)
 
     def first_call(expect=None, **options):
-        fresh_backward_state(monkeypatch)
+        if how == "module":
+            loss_fn = LinearCrossEntropy(impl=IMPL, **options)
+            state = loss_fn.state
+        else:
+            state = UpstreamState()
+            loss_fn = functools.partial(linear_cross_entropy, impl=IMPL, state=state, **options)
         if expect is not None:
-            ops_upstream.expect_loss_scale(expect)
+            state.expect_loss_scale(expect)
         e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
-        loss_fn = LinearCrossEntropy(impl=IMPL, **options) if how == "module" else functools.partial(
-            linear_cross_entropy, impl=IMPL, **options)
         (loss_fn(e1, c1, t) * 3.0).backward()
-        ops_upstream.read_backward_reports()
+        state.read_reports()
+        first_call.state = state
         return e1.grad, c1.grad
 
     de, dc = first_call(loss_scale=3.0)
-    assert ops_upstream.loss_scale == 1.0 and flags == [0]
+    assert first_call.state.loss_scale == 1.0 and flags == [0]
     _assert_beats_plain_bf16(e, c, t, de, dc, 3.0)
     expected = first_call(expect=3.0)
     assert flags == [0, 0] and torch.equal(expected[0], de) and torch.equal(expected[1], dc)
@@ -902,7 +925,7 @@ def test_an_explicit_loss_scale_computes_what_expect_loss_scale_does(how, device
     assert flags[-1] == 1 and not torch.equal(unprimed[1], dc)
 
 
-def test_an_explicit_loss_scale_is_used_as_given(device, monkeypatch, lean_calls):
+def test_an_explicit_loss_scale_is_used_as_given(device, monkeypatch, lean_calls, state):
     """A call given loss_scale makes its gradients for that number, whatever the process-wide
     default says or learns, and takes the one-pass path in an "unsteady" process; a backward that
     brings another number gets exact (recomputed) gradients and a warning, and teaches neither the
@@ -913,35 +936,35 @@ def test_an_explicit_loss_scale_is_used_as_given(device, monkeypatch, lean_calls
 
     def step(upstream_number, **options):
         e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
-        (linear_cross_entropy(e1, c1, t, impl=IMPL, **options) * upstream_number).backward()
-        ops_upstream.read_backward_reports()  # now, not after the next forward (a GPU host would learn then)
+        (linear_cross_entropy(e1, c1, t, impl=IMPL, state=state, **options) * upstream_number).backward()
+        state.read_reports()  # now, not after the next forward (a GPU host would learn then)
         _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, upstream_number)
         return flags[-1]
 
     with pytest.warns(UserWarning, match=r"was 5 .*not the loss_scale=3 it was given"):
         assert step(5.0, loss_scale=3.0) == 1  # recomputed, exact
-    assert ops_upstream.loss_scale == 1.0 and not ops_upstream._last_missed  # the default learned nothing
+    assert state.loss_scale == 1.0 and not state._last_missed  # the default learned nothing
     assert step(3.0, loss_scale=3.0) == 0  # still made for 3, not for the 5 its last backward brought
-    assert step(3.0) == 1 and ops_upstream.loss_scale == 3.0  # the default: 1, then learned
-    ops_upstream.expect_loss_scale(5.0)
+    assert step(3.0) == 1 and state.loss_scale == 3.0  # the default: 1, then learned
+    state.expect_loss_scale(5.0)
     assert step(3.0, loss_scale=3.0) == 0  # neither the learned nor the expected default replaces it
-    monkeypatch.setattr(ops_upstream, "loss_scale_unsteady", True)  # default calls take the lean path ...
+    state.loss_scale_unsteady = True  # default calls take the lean path ...
     assert step(3.0, loss_scale=3.0) == 0 and lean_calls == []  # ... a given number the one-pass path
-    assert ops_upstream.loss_scale == 5.0 and ops_upstream.loss_scale_unsteady
+    assert state.loss_scale == 5.0 and state.loss_scale_unsteady
 
 
 @pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf"), True, "1", torch.tensor(0.5)])
-def test_expect_loss_scale_rejects_what_is_not_a_finite_nonzero_number(scale):
+def test_expect_loss_scale_rejects_what_is_not_a_finite_nonzero_number(scale, state):
     with pytest.raises(ValueError, match="finite nonzero number"):
-        ops_upstream.expect_loss_scale(scale)
+        state.expect_loss_scale(scale)
 
 
-def test_expect_loss_scale_takes_any_real_number():
+def test_expect_loss_scale_takes_any_real_number(state):
     import numpy as np
 
     for scale, want in ((np.float32(0.25), 0.25), (3, 3.0), (-0.5, -0.5)):
-        ops_upstream.expect_loss_scale(scale)
-        assert ops_upstream.loss_scale == want and type(ops_upstream.loss_scale) is float
+        state.expect_loss_scale(scale)
+        assert state.loss_scale == want and type(state.loss_scale) is float
 
 
 @pytest.mark.parametrize("blocks", [1, 2])

@@ -99,6 +99,7 @@ class Case:
     # A bias of 45 on the vocabulary's first half and 42 on the rest: each row's logits lie on both
     # sides of the fused GEMM's reference boundary at 44.4 nats, between tiles and between ranks.
     straddle: bool = False
+    weights: str = ""  # per-token weights given in the forward: "signed" (RL advantages) or "mask" (0 / 1)
     options: tuple = ()  # (key, value) pairs of linear_cross_entropy options
 
     @property
@@ -130,6 +131,14 @@ class Case:
             t = inputs["targets"]
             inputs["targets"] = torch.where(t == ignore_index, t, start + t % (stop - start))
         return inputs
+
+    def weights_for(self, targets):
+        """The forward's per-token weights (seeded, the same on every rank), or None."""
+        if not self.weights:
+            return None
+        g = torch.Generator().manual_seed(13)
+        w = torch.randn(targets.shape, generator=g)
+        return (w > -1.2).float().to(targets.device) if self.weights == "mask" else w.to(targets.device)
 
 
 CASES = {
@@ -210,6 +219,23 @@ CASES = {
         ),
         Case("all-ignored-sum", ignore_frac=1.0, options=(("reduction", "sum"), ("return_lse", True))),
         Case("all-ignored-mean", ignore_frac=1.0, bias=True, options=(("reduction", "mean"),)),
+        # Per-token weights known in the forward, folded into the one-pass gradients: signed (RL
+        # advantages) under a mean over their sum, and a 0 / 1 mask under Megatron's upstream.
+        Case(
+            "weights-signed-mean",
+            bias=True,
+            ignore_frac=0.2,
+            weights="signed",
+            options=(("z_loss", 1e-3), ("reduction", "mean"), ("return_lse", True)),
+        ),
+        Case(
+            "weights-mask-none",
+            ignore_frac=0.1,
+            logit_std=20.0,
+            uniform=True,
+            weights="mask",
+            options=(("softcap", 20.0), ("reduction", "none"), ("logits_budget", 3 * 4 * V_ODD)),
+        ),
         Case(
             "sp-2d-e",  # e [s, D] rather than [s, b, D]
             sp_lead=(12,),
@@ -218,7 +244,8 @@ CASES = {
         ),
     ]
 }
-CORE = tuple(name for name in CASES if name not in ("sp-2d-e", "straddle", "masked-unfolded"))
+WEIGHTS = ("weights-signed-mean", "weights-mask-none")
+CORE = tuple(name for name in CASES if name not in ("sp-2d-e", "straddle", "masked-unfolded") + WEIGHTS)
 
 # impl "torch" (cheap) over the full option grid, as in test_numerics_cpu.test_torch_impl_full_grid.
 GRID = {}
@@ -264,13 +291,13 @@ LAYOUTS = {
         ),
     ),
     2: (
-        Layout("w2-default", V_EVEN, None, False, CORE + ("straddle", "masked-unfolded")),
-        Layout("w2-tiny-first-shard", V_ODD, TINY2, False, ("everything", "targets-on-rank0")),
+        Layout("w2-default", V_EVEN, None, False, CORE + ("straddle", "masked-unfolded") + WEIGHTS),
+        Layout("w2-tiny-first-shard", V_ODD, TINY2, False, ("everything", "targets-on-rank0") + WEIGHTS),
         Layout(
             "w2-swapped-ranges", V_ODD, ((300, V_ODD), (0, 300)), False, ("everything", "targets-on-rank0")
         ),
         Layout("w2-sp", V_EVEN, None, True, SP_CORE + ("masked-unfolded",)),
-        Layout("w2-sp-uneven", V_ODD, TINY2, True, ("everything",), tuple(GRID)),
+        Layout("w2-sp-uneven", V_ODD, TINY2, True, ("everything",) + WEIGHTS, tuple(GRID)),
     ),
     3: (
         Layout("w3-uneven", V_ODD, UNEVEN3, False, CORE + ("straddle",), tuple(GRID)),
@@ -420,8 +447,6 @@ def _ranks_agree(out, sequence_parallel: bool, group):
 
 
 def _numerics_worker(rank, world, report, layout_names, device_type, impls):
-    from cce_parallel.ops import upstream as ops_upstream
-
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     group = dist.group.WORLD
     layouts = {layout.name: layout for layout in LAYOUTS[world]}
@@ -439,20 +464,25 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
                 inputs["targets"], opts.get("reduction", "mean"), opts.get("return_lse"), uniform=case.uniform,
                 ignore_index=opts.get("ignore_index", -100), masked=case.masked,
             )
+            weights = case.weights_for(inputs["targets"])
+            if weights is not None:
+                opts = dict(opts, weights=weights)
             ref = oracle(**inputs, grad_loss=grad_loss, grad_lse=grad_lse, **opts)
             local, rows = local_view(inputs, layout, rank, world)
-            # A mask not folded: as in a process that has seen one (the first call's recompute is
-            # the device's), so that the correction on the masked rows runs, on every rank alike.
-            learned = ops_upstream.per_token_weights_seen, ops_upstream.masked_weights_seen
+            # A mask not folded: as for a loss whose state has seen one (the first call's recompute
+            # is the device's), so that the correction on the masked rows runs, on every rank alike.
+            call = fn
             if case.masked:
-                ops_upstream.per_token_weights_seen, ops_upstream.masked_weights_seen = False, True
+                state = cce_parallel.UpstreamState()
+                state.masked_weights_seen = True
+                call = functools.partial(fn, state=state)
             expected = expected_shard(ref, layout, rank, world, rows)
             for name, impl in checks:
                 report.started(name)
                 options = dict(opts, impl=impl)
                 out, errs, fail = None, {}, None
                 try:
-                    out = run(fn, local, options, grad_loss, grad_lse)
+                    out = run(call, local, options, grad_loss, grad_lse)
                     check_meta(out, local, options)
                     errs = shard_errors(out, expected, ref)
                     tol = fp32_tol(impl, options)
@@ -464,14 +494,13 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
                     fail = "ranks disagree: " + disagree
                 if impl == "exact" and all_ran:  # on every rank or none: the rerun has collectives
                     try:
-                        again = run(fn, local, options, grad_loss, grad_lse)
+                        again = run(call, local, options, grad_loss, grad_lse)
                         differ = [k for k, a, b in zip(out._fields, out, again) if not same_bits(a, b)]
                         if differ and fail is None:
                             fail = f"impl 'exact' with tp_group is not bitwise reproducible in {differ}"
                     except Exception as exc:  # noqa: BLE001
                         fail = fail or "rerun: " + _describe(exc)
                 report.result(name, {"fail": fail, "errs": errs})
-            ops_upstream.per_token_weights_seen, ops_upstream.masked_weights_seen = learned
         report.result(f"seconds/{layout_name}", time.perf_counter() - began)
 
 
