@@ -4,13 +4,16 @@ Shapes (s: sequence, b: micro-batch, h: hidden, V: the padded vocabulary, tp: te
     input_   [s, b, h], or [s/tp, b, h] with sequence parallelism (this rank's slice along s)
     weight   [V/tp, h]: this rank's rows [r·V/tp, (r+1)·V/tp) of the output weight, Megatron's layout
     labels   [b, s] integer ids in [0, V), as GPTModel gets them
-    returns  with labels: (loss [b, s] float32 per token, unreduced, None); the logits are never built.
+    loss_weights  optional [b, s] float per-token weights, known before the forward (any sign)
+    returns  with labels: (loss [b, s] float32 per token, unreduced, None), loss_weights · loss where
+             given; the logits are never built.
              without labels: ColumnParallelLinear's own (logits [s, b, V/tp] or gathered [s, b, V], bias).
 
 With labels the loss is ``cce_parallel.linear_cross_entropy(input_, weight, labels.T, reduction="none",
-tp_group=..., sequence_parallel=...)``: the same value as Megatron's ``ColumnParallelLinear`` followed
-by ``vocab_parallel_cross_entropy``, over the whole padded vocabulary as Megatron computes it (padding
-rows are trainable rows of the weight in Megatron, and their logits enter the softmax there too).
+weights=loss_weights.T, state=layer.cce_state, tp_group=..., sequence_parallel=...)``: the same value
+as Megatron's ``ColumnParallelLinear`` followed by ``vocab_parallel_cross_entropy`` (times the
+weights), over the whole padded vocabulary as Megatron computes it (padding rows are trainable rows
+of the weight in Megatron, and their logits enter the softmax there too).
 ∇input is summed over the tensor-parallel group (reduce-scattered under sequence parallelism), as
 the linear layer's all-reduce / reduce-scatter does; ∇weight is this rank's shard.
 
@@ -32,6 +35,16 @@ Without gradient-accumulation fusion a bf16 ∇weight is made in the forward for
 is scaled by; Megatron's schedule divides it by the number of micro-batches, so pass
 ``CCEOptions(loss_scale=1 / num_microbatches)`` (the train job does), or the first backward
 recomputes ∇weight.
+Per-token weights that are not a 0/1 mask (SFT token weights, RL advantages) go in as
+``loss_weights``: the gradients are then made for the weighted loss in the forward, and the caller
+sums the returned loss (or divides it by one number) with no recompute. Multiplying the loss by
+them afterwards gives the same numbers, but the backward recomputes ∇weight.
+
+State: the layer owns a ``cce_parallel.UpstreamState``, ``layer.cce_state``, passed to every call:
+what its backwards taught it (per-token weights that come only in the backward make its later
+calls leave ∇weight to the backward, a mask makes them compute fp32 gradients, a bf16 ∇weight made
+for another number teaches the loss scale) and a Counter of the paths taken (``cce_state.paths``). It shows in the layer's repr;
+``reset_cce_state()`` forgets it. No other layer, and no plain ``linear_cross_entropy`` call, sees it.
 """
 
 import contextlib
@@ -45,7 +58,7 @@ from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_
 
 from cce_parallel.ops import IMPLS
 from cce_parallel.ops.functional import resolve_logits_budget
-from cce_parallel.ops.upstream import check_loss_scale
+from cce_parallel.ops.upstream import UpstreamState, check_loss_scale
 from cce_parallel.parallel import linear_cross_entropy
 from cce_parallel.parallel.dtensor import any_dtensor
 
@@ -70,8 +83,9 @@ class CCEOptions:
     (recompute the logits in the backward; least memory)."""
     loss_scale: float | None = None
     """What the schedule multiplies the loss by before its backward (``1 / num_microbatches``): a bf16
-    ∇weight made in the forward (no gradient-accumulation fusion) is made for it. None: the
-    process-wide default (``cce_parallel.expect_loss_scale``, else learned from the backwards)."""
+    ∇weight made in the forward (no gradient-accumulation fusion) is made for it. None: the number in
+    the layer's state, ``layer.cce_state.loss_scale`` (1 until a backward brings another; set it
+    beforehand with ``layer.cce_state.expect_loss_scale(x)``)."""
     make_vocab_size_divisible_by: int | None = None
     """If set, the layer's (padded) vocabulary must be a multiple of it times tp, as Megatron-LM's
     ``--make-vocab-size-divisible-by`` pads it; a layer whose vocabulary is not raises ValueError."""
@@ -194,6 +208,9 @@ class CCEOutputLayer(ColumnParallelLinear):
     for a GPTModel. Parameters, their tensor-parallel attributes (``tensor_model_parallel``,
     ``partition_dim``, ``partition_stride``, ``allreduce``, ...) and the state dict are
     ColumnParallelLinear's, unchanged.
+
+    ``cce_state`` is the layer's ``UpstreamState`` (see the module doc), shown by its repr and
+    cleared by ``reset_cce_state()``; it is not part of the state dict.
     """
 
     def __init__(self, input_size: int, output_size: int, *, cce_options: CCEOptions | None = None, **kwargs):
@@ -208,7 +225,9 @@ class CCEOutputLayer(ColumnParallelLinear):
     @classmethod
     def convert(cls, layer: ColumnParallelLinear, options: CCEOptions | None = None) -> "CCEOutputLayer":
         """Turn `layer` into a CCE output layer in place (its class changes; its parameters,
-        attributes and any hooks stay) and return it. Converting again only replaces the options."""
+        attributes and any hooks stay) and return it. Converting again only replaces the options:
+        with the same options the layer keeps its ``cce_state``; with other options it starts a
+        fresh one (what it learned was learned for the old options)."""
         if not isinstance(layer, ColumnParallelLinear):
             raise TypeError(
                 f"expected megatron-core's ColumnParallelLinear output layer, got {type(layer).__name__}"
@@ -232,9 +251,17 @@ class CCEOutputLayer(ColumnParallelLinear):
                 "defer_embedding_wgrad_compute defers the output layer's weight-gradient GEMM; CCE computes "
                 "that gradient inside its kernels. Turn the option off to use a CCE output layer"
             )
+        if getattr(self, "cce_state", None) is None or options != getattr(self, "cce_options", None):
+            self.cce_state = UpstreamState()
         self.cce_options = options
         self._cce_pending_labels = None  # labels routed here by GPTModel._postprocess (see use_cce)
+        self._cce_pending_weights = None  # and their per-token weights (loss_weights)
         self._cce_last_loss = None
+
+    def reset_cce_state(self):
+        """Forget what the backwards taught the loss and the paths it counted (UpstreamState.reset):
+        the next call takes the path its arguments choose, as in a fresh layer."""
+        self.cce_state.reset()
 
     # -----------------------------------------------------------------------------------------
 
@@ -244,21 +271,44 @@ class CCEOutputLayer(ColumnParallelLinear):
         weight: torch.Tensor | None = None,
         runtime_gather_output: bool | None = None,
         labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
     ):
-        """With labels (or labels routed by ``use_cce``): (loss [b, s] fp32, None). Without:
-        ColumnParallelLinear's (logits, bias), honouring ``weight`` and ``runtime_gather_output``."""
+        """With labels (or labels routed by ``use_cce``): (loss [b, s] fp32, None), times
+        ``loss_weights`` [b, s] where given. Without: ColumnParallelLinear's (logits, bias),
+        honouring ``weight`` and ``runtime_gather_output``."""
         routed = labels is None and self._cce_pending_labels is not None
         if routed:
+            if loss_weights is not None:
+                raise ValueError("loss_weights were given twice: to the layer's forward and to route_labels")
             labels, self._cce_pending_labels = self._cce_pending_labels, None
+            loss_weights, self._cce_pending_weights = self._cce_pending_weights, None
         if labels is None:
+            if loss_weights is not None:
+                raise ValueError(
+                    "loss_weights weight the per-token loss; without labels the layer returns logits. "
+                    "Pass labels too"
+                )
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        loss = self.per_token_loss(input_, labels, weight)
+        loss = self.per_token_loss(input_, labels, weight, loss_weights=loss_weights)
         if routed:
             self._cce_last_loss = loss
         return loss, None
 
-    def per_token_loss(self, input_: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None):
+    def per_token_loss(
+        self,
+        input_: torch.Tensor,
+        labels: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        *,
+        loss_weights: torch.Tensor | None = None,
+    ):
         """loss [b, s] fp32 for hidden states [s(/tp), b, h] and labels [b, s]; see the module doc.
+
+        loss_weights: [b, s], any float dtype and sign, on the hidden states' device, or None. The
+        loss is then loss_weights · cross-entropy per token (0 where labels equal ignore_index), and
+        its gradients are made for that weighted loss in the forward: summed (or divided by one
+        number) by the caller, the backward only scales them. A loss_weights tensor that requires
+        grad gets the unweighted per-token loss as its gradient.
 
         Misuse raises ValueError / TypeError on every rank of the tensor-parallel group (the
         others learn of it in the loss's first collective), never a hang.
@@ -277,6 +327,8 @@ class CCEOutputLayer(ColumnParallelLinear):
                     "output layer's FSDP unit)"
                 )
             self._check_labels(input_, labels, tp if sequence_parallel else 1)
+            if loss_weights is not None:
+                _check_loss_weights(input_, labels, loss_weights)
             if self.bias is not None and self.skip_bias_add:
                 raise ValueError(
                     "skip_bias_add returns the bias for the caller to add; a fused loss cannot do that"
@@ -301,13 +353,15 @@ class CCEOutputLayer(ColumnParallelLinear):
                 param = weight
                 main_grad = lambda: param.main_grad  # noqa: E731
                 weight = _MainGradHook.apply(weight)
-        # [b, s] -> [s, b]: a view of the labels; the hidden states are never copied.
+        # [b, s] -> [s, b]: views of the labels and weights; the hidden states are never copied.
         loss = linear_cross_entropy(
             input_,
             weight,
             labels.t(),
             bias=self.bias,
             reduction="none",
+            weights=None if loss_weights is None else loss_weights.t(),
+            state=self.cce_state,
             **self.cce_options.loss_kwargs(),
             tp_group=group,
             sequence_parallel=sequence_parallel,
@@ -367,14 +421,15 @@ class CCEOutputLayer(ColumnParallelLinear):
             raise ValueError(f"labels must be [b, s] = {(b, s)} for hidden states {layout}; got {got}{hint}")
 
     @contextlib.contextmanager
-    def route_labels(self, labels: torch.Tensor):
-        """Within the block, the next call without labels computes the loss with these labels."""
-        self._cce_pending_labels = labels
+    def route_labels(self, labels: torch.Tensor, loss_weights: torch.Tensor | None = None):
+        """Within the block, the next call without labels computes the loss with these labels (and
+        these per-token weights [b, s], where given)."""
+        self._cce_pending_labels, self._cce_pending_weights = labels, loss_weights
         self._cce_last_loss = None
         try:
             yield
         finally:
-            self._cce_pending_labels = None
+            self._cce_pending_labels = self._cce_pending_weights = None
             self._cce_last_loss = None
 
     def is_routed_loss(self, tensor) -> bool:
@@ -393,7 +448,33 @@ class CCEOutputLayer(ColumnParallelLinear):
         )
 
     def __repr__(self):
-        return super().__repr__()[:-1] + f", impl={self.cce_options.impl})"
+        return super().__repr__()[:-1] + f", impl={self.cce_options.impl}, cce_state={self.cce_state!r})"
+
+
+def _check_loss_weights(input_, labels, loss_weights):
+    """TypeError / ValueError unless loss_weights is a float tensor shaped like the labels [b, s],
+    on the hidden states' device (checked here, in Megatron's layout, rather than by the loss,
+    which sees them transposed)."""
+    if not isinstance(loss_weights, torch.Tensor):
+        raise TypeError(f"loss_weights must be a torch.Tensor or None, got {type(loss_weights).__name__}")
+    if not loss_weights.is_floating_point():
+        raise TypeError(
+            f"loss_weights must be a floating-point tensor, got dtype {loss_weights.dtype} "
+            "(a 0/1 mask: fold it into the labels with mask_labels, or pass it as float)"
+        )
+    if loss_weights.shape != labels.shape:
+        b, s = labels.shape
+        hint = ""
+        if tuple(loss_weights.shape) == (s, b):
+            hint = " (they look like [s, b]; Megatron's layout, as for the labels, is [b, s])"
+        raise ValueError(
+            f"loss_weights must be shaped like the labels [b, s] = {(b, s)}; "
+            f"got {tuple(loss_weights.shape)}{hint}"
+        )
+    if loss_weights.device != input_.device:
+        raise ValueError(
+            f"loss_weights are on {loss_weights.device}, but the hidden states are on {input_.device}"
+        )
 
 
 def _fail_on_every_rank(err: Exception, input_, group, sequence_parallel: bool):

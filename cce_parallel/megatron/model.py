@@ -20,6 +20,18 @@ has no ``output_processor`` hook in ``GPTModel.forward``, so ``use_cce`` does th
   and its upstream gradient is one number over the kept tokens, which the one-pass loss only
   scales (without the fold it is per token, and the backward recomputes ∇weight). A loop that
   does not pass ``loss_mask`` to the model folds it itself with ``mask_labels``.
+- ``model(..., labels=labels, loss_weights=w)``: per-token weights [b, s] known before the forward
+  (SFT token weights, RL advantages; any float dtype and sign). GPTModel.forward has no such
+  argument, so the CCE model class takes this one keyword off the call and hands the weights,
+  with the labels, to the output layer for that one forward; the model returns w · loss [b, s],
+  and its gradients are made for that weighted loss in the forward (the caller then sums it, or
+  divides it by one number, and the backward only scales them). A keyword rather than a context
+  manager, like ``loss_mask``: it is visible at the call site, travels through Megatron's
+  wrappers (DDP, Float16Module and Megatron-FSDP pass keywords on), belongs to exactly one forward
+  (no weights left set for the next micro-batch, whatever raises), and a model that is not
+  switched rejects it (TypeError) instead of ignoring it. Earlier pipeline stages ignore it, as
+  they ignore the labels. With ``loss_mask`` too, masked tokens give 0 and the others their
+  weighted loss.
 
 Without labels, and in inference mode, the model returns logits [b, s, V/tp] (or gathered) as
 Megatron does. Multi-token prediction is not supported (its extra heads roll the labels).
@@ -57,7 +69,9 @@ def use_cce(model, impl: str = "cce_kahan_full_c", **options):
 
     Afterwards ``model(input_ids, position_ids, attention_mask, labels=labels)`` returns the
     per-token fp32 loss [b, s] (labels [b, s]) and never builds the logits; without labels it
-    returns logits as before. Calling it again replaces the options.
+    returns logits as before. ``loss_weights=`` [b, s] weights that loss per token (see the module
+    doc). Calling it again replaces the options (with other options the output layer starts a
+    fresh ``cce_state``).
     """
     opts = CCEOptions(impl=impl, **options)
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
@@ -71,6 +85,7 @@ def cce_output_processor(
     labels: torch.Tensor | None = None,
     *,
     loss_mask: torch.Tensor | None = None,
+    loss_weights: torch.Tensor | None = None,
     runtime_gather_output: bool | None = None,
     **options,
 ) -> torch.Tensor:
@@ -85,12 +100,15 @@ def cce_output_processor(
         labels: [b, s], or None for logits.
         loss_mask: [b, s] or None; where 0 the token's loss is 0 and it gets no gradient (folded
             into the labels with ``mask_labels``, as the model's forward folds its ``loss_mask``).
+        loss_weights: [b, s] float per-token weights known before the forward, or None: the loss
+            is then loss_weights · loss, its gradients made for it in the forward.
         runtime_gather_output: as in GPTModel.forward (logits only).
         **options: ``use_cce`` options (impl, softcap, ...); applied to the model first when given,
             or when its output layer is not a CCE layer yet.
 
     Returns:
-        loss [b, s] float32 per token; without labels, logits [b, s, V/tp] (or [b, s, V] gathered).
+        loss [b, s] float32 per token (times loss_weights); without labels, logits [b, s, V/tp]
+        (or [b, s, V] gathered).
     """
     gpt = unwrap_gpt_model(model)
     if not gpt.post_process:
@@ -101,7 +119,11 @@ def cce_output_processor(
     if labels is not None and loss_mask is not None:
         labels = mask_labels(labels, loss_mask, gpt.output_layer.cce_options.ignore_index)
     out, _ = gpt.output_layer(
-        hidden_states, weight=weight, runtime_gather_output=runtime_gather_output, labels=labels
+        hidden_states,
+        weight=weight,
+        runtime_gather_output=runtime_gather_output,
+        labels=labels,
+        loss_weights=loss_weights,
     )
     if labels is None:
         return out.transpose(0, 1).contiguous()  # [s, b, V] -> [b, s, V], as GPTModel returns logits
@@ -112,14 +134,38 @@ def cce_output_processor(
 
 
 class _CCEGPTModelMixin:
-    """Routes labels to the CCE output layer for GPTModel._postprocess (see the module doc)."""
+    """Routes labels (and loss_weights) to the CCE output layer for GPTModel._postprocess (see the
+    module doc)."""
+
+    _cce_loss_weights = None  # set by forward for its own call only
+
+    def forward(self, *args, loss_weights: torch.Tensor | None = None, **kwargs):
+        """GPTModel.forward, plus ``loss_weights`` [b, s] for the per-token loss (module doc)."""
+        if loss_weights is None:
+            return super().forward(*args, **kwargs)
+        self._cce_loss_weights = loss_weights
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._cce_loss_weights = None
 
     def _postprocess(self, *args, **kwargs):
         bound = _postprocess_signature(type(self)).bind_partial(self, *args, **kwargs).arguments
         labels = bound.get("labels")
         inference = bound.get("inference_context") is not None and not self.training
         layer = getattr(self, "output_layer", None)
+        loss_weights = self._cce_loss_weights
         if labels is None or inference or not self.post_process or not isinstance(layer, CCEOutputLayer):
+            if loss_weights is not None and self.post_process:
+                why = (
+                    "it has no labels" if labels is None
+                    else "inference mode" if inference
+                    else f"the output layer is a {type(layer).__name__}, not a CCE layer"
+                )
+                raise ValueError(
+                    f"loss_weights weight the per-token loss, but this forward computes no CCE loss ({why}); "
+                    "pass labels, or no loss_weights"
+                )
             return super()._postprocess(*args, **kwargs)
         loss_mask = bound.get("loss_mask")
         if loss_mask is not None:
@@ -127,7 +173,7 @@ class _CCEGPTModelMixin:
             # masked tokens give exactly 0 (the product is unchanged) and no gradient, so the
             # upstream gradient is one number over the kept tokens (see the module doc).
             labels = mask_labels(labels, loss_mask, layer.cce_options.ignore_index)
-        with layer.route_labels(labels):
+        with layer.route_labels(labels, loss_weights):
             return super()._postprocess(*args, **kwargs)
 
     def compute_language_model_loss(self, labels, logits):

@@ -1,7 +1,10 @@
 """CCEOutputLayer on its own, in this process (no process group: tensor-parallel size 1), on CPU.
 
 - the loss [b, s] and ∇hidden, ∇weight, ∇bias against the float64 oracle (tests/oracle.py) for
-  every loss option, with hidden states [s, b, h] and labels [b, s];
+  every loss option, with hidden states [s, b, h] and labels [b, s], and with per-token
+  ``loss_weights`` [b, s] (tests/megatron/test_loss_weights.py: at TP=2, against Megatron);
+- the layer's own ``cce_state``: passed to every call, learned by this layer alone, shown in its
+  repr, kept by a conversion with the same options, forgotten by ``reset_cce_state``;
 - Megatron's gradient-accumulation fusion: ∇W added into ``main_grad`` (fp32 or bf16),
   ``grad_added_to_main_grad`` set, a dummy gradient returned (zeros with ``zero_out_wgrad``), and a
   plain gradient when fusion is off or there is no ``main_grad``;
@@ -94,18 +97,81 @@ def test_loss_and_grads_vs_oracle(impl, opts):
         assert rel_err(layer.bias.grad, ref.dbias) <= tol
 
 
-def test_loss_scale_reaches_the_loss(monkeypatch):
-    """CCEOptions.loss_scale is the loss's loss_scale argument (None: the process-wide default)."""
+def test_loss_scale_and_state_reach_the_loss(monkeypatch):
+    """CCEOptions.loss_scale is the loss's loss_scale argument (None: the layer's state's number),
+    and the state passed is the layer's own."""
     from cce_parallel.megatron import layer as layer_module
 
     seen = []
     real = layer_module.linear_cross_entropy
     monkeypatch.setattr(layer_module, "linear_cross_entropy",
-                        lambda *a, **k: seen.append(k["loss_scale"]) or real(*a, **k))
+                        lambda *a, **k: seen.append((k["loss_scale"], k["state"])) or real(*a, **k))
     hidden, labels = _inputs()
-    for scale in (0.25, None):
-        _layer(options=CCEOptions(impl="torch", loss_scale=scale))(hidden, labels=labels)
-    assert seen == [0.25, None]
+    layers = [_layer(options=CCEOptions(impl="torch", loss_scale=scale)) for scale in (0.25, None)]
+    for layer in layers:
+        layer(hidden, labels=labels)
+    assert seen == [(0.25, layers[0].cce_state), (None, layers[1].cce_state)]
+    assert layers[0].cce_state is not layers[1].cce_state
+
+
+@pytest.mark.parametrize("impl", ["torch", "cce_kahan_full_c"])
+def test_loss_weights_vs_oracle(impl):
+    """loss_weights [b, s]: the loss is w · CE per token (0 where ignored), its gradients those of
+    the summed weighted loss; the one-pass path only scales them (no recompute)."""
+    layer = _layer(options=CCEOptions(impl=impl))
+    hidden, labels = _inputs(ignore=True)
+    hidden.requires_grad_()
+    w = torch.randn(B, S, generator=torch.Generator().manual_seed(2))
+    loss, _ = layer(hidden, labels=labels, loss_weights=w)
+    loss.sum().backward()
+    ref = oracle(hidden, layer.weight, labels.t(), weights=w.t(), reduction="none")
+    assert loss.shape == (B, S) and loss.dtype == torch.float32
+    tol = TOL[impl]
+    assert rel_err(loss.t(), ref.loss) <= tol
+    assert rel_err(hidden.grad, ref.de) <= tol
+    assert rel_err(layer.weight.grad, ref.dc) <= tol
+    if impl != "torch":
+        assert layer.cce_state.paths == {"one_pass": 1, "scaled": 1}
+
+
+def test_layer_owns_its_state():
+    """What a backward teaches the loss is this layer's (cce_state), shown in its repr; converting
+    with the same options keeps it, other options start a fresh one; reset_cce_state forgets it."""
+    options = CCEOptions(impl="cce_kahan_full_c")
+    layer, other = _layer(options=options), _layer(options=options)
+    hidden, labels = _inputs()
+    loss, _ = layer(hidden, labels=labels)
+    with pytest.warns(UserWarning, match="neither one number"):
+        (loss * torch.randn(B, S)).sum().backward()  # per-token weights the forward did not know
+    state = layer.cce_state
+    assert state.per_token_weights_seen and state.paths["recomputed"] == 1
+    assert "cce_state=UpstreamState(" in repr(layer) and "per_token_weights_seen=True" in repr(layer)
+    assert not other.cce_state.per_token_weights_seen and not other.cce_state.paths
+    layer(hidden, labels=labels)
+    assert state.paths["lean"] == 1  # later per-token calls of this layer take the lean path
+    other(hidden, labels=labels)
+    assert other.cce_state.paths == {"one_pass": 1}
+    assert CCEOutputLayer.convert(layer, CCEOptions(impl="cce_kahan_full_c")).cce_state is state
+    layer.reset_cce_state()
+    assert layer.cce_state is state and not state.per_token_weights_seen and not state.paths
+    state.expect_loss_scale(0.5)
+    CCEOutputLayer.convert(layer, CCEOptions(impl="cce_kahan_full_c", z_loss=1e-4))
+    assert layer.cce_state is not state and layer.cce_state.loss_scale == 1.0
+
+
+def test_loss_weights_misuse():
+    layer = _layer(options=CCEOptions(impl="torch"))
+    hidden, labels = _inputs()
+    w = torch.rand(B, S)
+    with pytest.raises(ValueError, match="without labels the layer returns logits"):
+        layer(hidden, loss_weights=w)
+    with layer.route_labels(labels, w):
+        with pytest.raises(ValueError, match="given twice"):
+            layer(hidden, loss_weights=w)
+    with layer.route_labels(labels, w):
+        loss, _ = layer(hidden)
+    assert torch.equal(loss, layer(hidden, labels=labels, loss_weights=w)[0])
+    assert layer._cce_pending_weights is None
 
 
 def _reference_grad(layer, hidden, labels, weights=None):
@@ -283,6 +349,13 @@ def test_errors_name_the_problem():
         layer(hidden, labels=torch.full((B, S), V))
     with pytest.raises(TypeError, match="integer"):
         layer(hidden, labels=labels.float())
+    w = torch.rand(B, S)
+    with pytest.raises(ValueError, match=r"loss_weights must be shaped like the labels.*look like \[s, b\]"):
+        layer(hidden, labels=labels, loss_weights=w.t())
+    with pytest.raises(TypeError, match="loss_weights must be a floating-point tensor"):
+        layer(hidden, labels=labels, loss_weights=w > 0.5)
+    with pytest.raises(ValueError, match="loss_weights are on meta"):
+        layer(hidden, labels=labels, loss_weights=w.to("meta"))
 
 
 def test_option_and_config_errors():

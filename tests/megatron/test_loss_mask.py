@@ -8,7 +8,9 @@ hand), and the upstream gradient is one number over the kept tokens, so the one-
 scales the gradients it computed in the forward (the lean backward does not run). Without the fold
 the masked tokens keep their losses, and the upstream gradient, one number and 0 on the masked
 tokens, makes the first backward recompute (on the device) and later ones subtract the masked
-rows' part (the lean backward on those rows alone).
+rows' part (the lean backward on those rows alone). What the output layer learns is its own
+(``output_layer.cce_state``): another CCE model knows nothing of it, and ``reset_cce_state``
+forgets it.
 
 One gloo group of 2 processes, TP=2 (the vocabulary split), a 2-layer GPT of hidden 32 and a
 128-token vocabulary, impl cce_kahan_full_c (the one-pass Triton path, under the interpreter).
@@ -46,7 +48,6 @@ def _step(built, batch, labels, loss_mask=None):
 def _check(device, report):
     from cce_parallel.megatron import cce_output_processor
     from cce_parallel.ops import autograd
-    from cce_parallel.ops import upstream as ops_upstream
     from tests.megatron.gpt_setup import Setup, build, init_parallel, make_batches, rel_err
 
     s = Setup("loss-mask", tp=2, ignore_frac=0.25)
@@ -64,8 +65,10 @@ def _check(device, report):
     autograd.lean_backward = lambda e, *a, **k: lean_rows.append(e.shape[0]) or lean_backward(e, *a, **k)
 
     # The model gets the mask: masked tokens' losses are 0, the upstream gradient one number.
+    state = cce.gpt.output_layer.cce_state
     loss, grads = _step(cce, batch, batch["labels"], loss_mask=mask)
     out["fast_path"] = not lean_rows
+    out["fast_paths"] = dict(state.paths)  # one one-pass forward, its gradients scaled, no recompute
     out["masked_loss_max"] = loss[masked].abs().max().item()
     out["grad_vs_megatron"] = max(rel_err(grads[n], g) for n, g in ref_grads.items())
     out["same_params"] = sorted(grads) == sorted(ref_grads)
@@ -94,15 +97,22 @@ def _check(device, report):
     # masked tokens (and the fast_path check above can fail): the first backward recomputes on the
     # device and reports the mask, the second corrects dC on the masked kept rows alone; every kept
     # token is masked or not, none is weighted otherwise.
+    out["learned_before_control"] = state.masked_weights_seen or state.per_token_weights_seen
     _step(cce, batch, batch["labels"])
-    ops_upstream.read_backward_reports()
-    out["control_masked_seen"] = ops_upstream.masked_weights_seen
+    state.read_reports()
+    out["control_masked_seen"] = state.masked_weights_seen
+    other = build(s, device, cce={"impl": "cce_kahan_full_c"}).gpt.output_layer.cce_state
+    out["other_model_learned"] = other.masked_weights_seen or other.per_token_weights_seen
     del lean_rows[:]
+    state.paths.clear()
     _, control_grads = _step(cce, batch, batch["labels"])
     out["control_lean_rows"] = lean_rows[:]
+    out["control_paths"] = dict(state.paths)
     out["masked_kept"] = int((masked & (batch["labels"] >= 0)).sum())
     out["control_vs_megatron"] = max(rel_err(control_grads[n], g) for n, g in ref_grads.items())
-    out["control_no_switch"] = not ops_upstream.per_token_weights_seen
+    out["control_no_switch"] = not state.per_token_weights_seen
+    cce.gpt.output_layer.reset_cce_state()
+    out["reset_forgets"] = not state.masked_weights_seen and not state.paths
     autograd.lean_backward = lean_backward
     report.result("loss_mask", out)
 
@@ -141,6 +151,10 @@ def test_model_folds_the_loss_mask(outcome):
         assert r["same_params"] and r["grad_vs_megatron"] <= TOL, r
         assert r["equals_hand_folded"], r
         assert r["fast_path"], f"rank {rank}: the backward recomputed per token (the mask was not folded): {r}"
+        assert r["fast_paths"] == {"one_pass": 1, "checked": 1}, r
+        assert not r["learned_before_control"], r
         assert r["control_masked_seen"] and r["control_lean_rows"] == [r["masked_kept"]], r
+        assert r["control_paths"] == {"one_pass": 1, "mask_corrected": 1}, r
+        assert not r["other_model_learned"] and r["reset_forgets"], r
         assert r["control_no_switch"], r
         assert r["control_vs_megatron"] <= TOL, r
