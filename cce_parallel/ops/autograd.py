@@ -199,23 +199,26 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                         state.report(report, cfg.loss_scale, cfg.loss_scale_given)
             elif kind == "mask" and not low:
                 # Weights r on most kept tokens, 0 on the m masked ones: dC = r (dC1 - the masked rows'
-                # part), the correction recomputed by the lean backward on those m rows alone and added
-                # to the fp32 dC1 (dbias likewise), then rounded once. Each rank corrects its own shard
-                # (lse is global, targets outside it are -1): no collective.
+                # part), that part made by one more pass on those m rows alone (the fused GEMM, then
+                # dC's GEMM into the fp32 dC1; dbias likewise), then scaled by r and rounded once, in
+                # one pass. The m rows are the same on every rank (they all get the same upstream
+                # gradient), so under tensor parallelism their statistics are all-reduced alike.
                 paths["mask_corrected"] += 1
                 dc = db = None
-                for t in (dc1, db1):
-                    if t is not None:
-                        kernels.scale_(t, ratio)
                 if dc1 is not None or db1 is not None:
                     rows = torch.nonzero(keep & (w == 0)).squeeze(1)
-                    g_m = (ratio * grad_scale).neg().expand(rows.numel())
+                    g_m = grad_scale.neg().expand(rows.numel())  # the forward's weights of those rows, negated
                     g_m = (g_m * weights[rows] if weights is not None else g_m).contiguous()
-                    a, b, u = coefficients(g_m, None, lse[rows], cfg)
-                    _, _, db2 = lean_backward(e_all[rows], c, bias, targets[rows], lse[rows], a, b, u, cfg,
-                                              need_de=False, dc_out=dc1)
-                    db = db1.add_(db2).to(bias.dtype) if db1 is not None else None
-                    dc = _fp32_dc(dc1, main, c.dtype) if dc1 is not None else None
+                    prepared = (targets[rows], keep[rows], counts, torch.ones_like(grad_scale))
+                    _, _, _, _, _, db2, _ = one_pass(e_all[rows], c, bias, targets[rows], g_m, 0, lambda: prepared,
+                                                     lambda bad: None, dataclasses.replace(cfg, need_de=False), comm,
+                                                     main_grad=True, dc_into=dc1)
+                    if db1 is not None:
+                        db = db1.add_(db2).mul_(ratio).to(bias.dtype)
+                    if dc1 is not None and main is not None:
+                        main.addcmul_(dc1, ratio)
+                    elif dc1 is not None:
+                        dc = kernels.scaled_copy(dc1, ratio.reshape(1), c.dtype)
             else:
                 # Any other weights (or a mask where the forward, made before the host learned of
                 # masks, rounded dC or dE to bf16: scaling those would round them twice): the lean

@@ -1,7 +1,8 @@
 """The lean path: the forward folds fp32 logit chunks into the statistics; the backward recomputes
 them and adds dE and dC chunk by chunk. Four logit-sized GEMMs, memory within about 100 MB of dE +
-dC. It serves logits_budget=0, calls where nothing needs a gradient, per-token weights that are
-neither one number nor a mask, a gradient through lse, and the masked rows' correction.
+dC. It serves logits_budget=0, calls where nothing needs a gradient, a gradient through lse, a
+recompute for per-token weights when the forward rounded dE to bf16, and a loss scale that keeps
+changing.
 """
 
 import torch

@@ -39,12 +39,14 @@ from cce_parallel.ops.common import (
 )
 
 
-def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfig, comm, *, main_grad: bool = False):
+def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfig, comm, *, main_grad: bool = False,
+             dc_into=None):
     """(lse, zt, zsum, dE, dC, dbias, prepared) with the gradients of sum_t g[t] * loss[t]: dE the
     fp32 partial sum over this rank's vocabulary (in e's dtype, rounded once, where dC is and the
     call has one rank: de_dtype below), dbias fp32, dC in c's dtype (fp32 where it goes into an
     fp32 `main_grad`, and on the paths dc_dtype below names); None where not needed. See the
-    module docstring.
+    module docstring. dc_into: an fp32 [V, D] tensor that dC is added into rather than a new one
+    (with main_grad; a mask's correction, ops/autograd.py).
 
     targets: the caller's (flat, contiguous), rows of c being vocabulary rows start ...
     prepare(): the targets' pass, prepared = (each token's row of c or -1, keep, counts,
@@ -112,7 +114,7 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
     # Every block writes its rows of dE; the first block writes dC (beta = 0), later ones add.
     alloc = torch.empty if n > 0 and v > 0 else torch.zeros
     de = alloc((n, d), device=e.device, dtype=de_dtype) if cfg.need_de else None
-    dc = alloc((v, d), device=c.device, dtype=dc_dtype) if cfg.need_dc else None
+    dc = alloc((v, d), device=c.device, dtype=dc_dtype) if cfg.need_dc and dc_into is None else dc_into
     db = torch.zeros(v, **f32) if cfg.need_db else None
     if n == 0 or v == 0:
         bad.without_tokens()
@@ -163,7 +165,8 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
             _fused_products(
                 x, ref, m, s, e_b, c, t_b, g_rows[rows], cfg, lse[rows], zt[rows], w_rows[:k],
                 b_all[rows] if b_all is not None else b_rows[:k], de[rows] if de is not None else None, dc, db,
-                csum, u_rows, first=t0 == 0, dc_target=b_all is None, de_tmp=de_tmp[:k] if de_tmp is not None else None,
+                csum, u_rows, first=t0 == 0 and dc_into is None, dc_target=b_all is None,
+                de_tmp=de_tmp[:k] if de_tmp is not None else None,
             )
             continue
         logits_into(x, e_b, c)
@@ -172,7 +175,7 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
         if zsum is not None:
             zsum[rows] = zs
         _two_pass_products(x, e_b, c, bias, t_b, g_rows[rows], scale, cfg, lse[rows],
-                           de[rows] if de is not None else None, dc, db, first=t0 == 0)
+                           de[rows] if de is not None else None, dc, db, first=t0 == 0 and dc_into is None)
     del buf, x  # x, the last block's view, would keep the buffer alive past here
     if e.dtype == torch.float16 and not fused:
         for t in (de, dc, db):  # the products' power-of-two scale, divided out once (exact)

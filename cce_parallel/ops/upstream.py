@@ -10,16 +10,16 @@ dE, linear in g per token, scales per row whatever g is.
 
 What a per-token upstream gradient is over the kept tokens is decided on the device, without a
 host sync (_weights_over_kept): one number, as above; otherwise kernels.weighted_grads recomputes
-dC, dbias and a bf16 dE (exact). Where the forward made fp32 gradients (UpstreamState.fp32_grads),
+dC, dbias and a bf16 dE (exact). Where the forward made fp32 gradients for a mask (LossConfig.fp32_grads),
 the backward sorts the weights in one host sync (_weights_kind): for a mask (one number r and 0 on
-m tokens) dC and dbias become r (dC - the m rows' part), that part recomputed by the lean backward
-on those m rows alone, so that the cost follows m.
+m tokens) dC and dbias become r (dC - the m rows' part), that part made by one more one-pass sweep of
+those m rows alone, so that the cost follows m.
 
 A call's path follows from its arguments and from the UpstreamState it is given, and from nothing
 else. A LinearCrossEntropy module and the Megatron output layer each own one, which learns from
-their own backwards: per-token weights that were neither one number nor a mask send that loss's
-later reduction="none" calls down the lean path; a mask makes them compute fp32 gradients; a bf16
-dC made for the wrong loss scale teaches the scale. A plain function call passes no state and
+their own backwards: per-token weights that were neither one number nor a mask make that loss's
+later reduction="none" calls leave dC to the backward; a mask makes them compute fp32 gradients; a
+bf16 dC made for the wrong loss scale teaches the scale. A plain function call passes no state and
 learns nothing: each such call takes the path its arguments choose.
 """
 
@@ -86,8 +86,9 @@ class UpstreamState:
     forgets it all. Nothing else in the process reads or writes it.
 
     per_token_weights_seen: a reduction="none" backward got weights that were neither one number
-    nor one number and 0 over the kept tokens: later reduction="none" calls take the lean path,
-    which computes them with no wasted work (four GEMMs instead of three plus a recompute).
+    nor one number and 0 over the kept tokens: later reduction="none" calls make dE alone (fp32) in
+    the forward and dC in one more pass in the backward (LossConfig.defer_dc): four GEMMs instead of
+    three plus a recompute.
     masked_weights_seen: such a backward got one number and 0 (Megatron's (loss * loss_mask).sum()
     / count with the mask not folded into ignore_index): later reduction="none" calls make dC and
     dE in fp32, so that the backward takes out the masked rows' part.
@@ -139,7 +140,7 @@ class UpstreamState:
             warnings.warn(
                 "cce_parallel: a per-token loss's upstream gradient was neither one number nor one number and 0 "
                 "over the kept tokens, so the gradients computed in the forward were recomputed (exact, slower). "
-                "This loss's later calls with reduction='none' take the lean path; weights known before the "
+                "This loss's later calls with reduction='none' make dC in their backward; weights known before the "
                 "forward (weights=) keep the one-pass speed.",
                 stacklevel=4,
             )

@@ -389,7 +389,7 @@ def test_bf16_masked_upstream_not_folded():
     """Megatron's (loss * loss_mask).sum() / count times 3, the mask not folded into ignore_index
     (10 % masked), bf16: the first backwards recompute dC and dE on the device (the forward rounded
     them to bf16; the host learns of the mask one call late), after which per-token calls make them
-    in fp32 and their backward subtracts the masked rows' part (the lean backward on those rows
+    in fp32 and their backward subtracts the masked rows' part (one more pass on those rows
     alone). Every call's errors are within plain bf16 PyTorch's."""
     from cce_parallel.ops import autograd
 
@@ -402,9 +402,9 @@ def test_bf16_masked_upstream_not_folded():
     grad_loss = mask * (3.0 / mask.sum())
     ref = oracle(**inputs, grad_loss=grad_loss, chunk_size=ORACLE_ELEMENTS // v, reduction="none")
     plain_errs = errors(plain_torch(**inputs, grad_loss=grad_loss, reduction="none"), ref)
-    lean_rows = []
-    lean_backward = autograd.lean_backward
-    autograd.lean_backward = lambda e, *a, **k: lean_rows.append(e.shape[0]) or lean_backward(e, *a, **k)
+    pass_rows = []
+    one_pass = autograd.one_pass
+    autograd.one_pass = lambda e, *a, **k: pass_rows.append(e.shape[0]) or one_pass(e, *a, **k)
     try:
         for call in range(3):
             out = run(linear_cross_entropy, inputs, {"impl": "cce_kahan_full_c", "reduction": "none", "state": state},
@@ -414,10 +414,10 @@ def test_bf16_masked_upstream_not_folded():
             bad = worse_than_plain(errs, plain_errs)
             assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
     finally:
-        autograd.lean_backward = lean_backward
+        autograd.one_pass = one_pass
     assert state.masked_weights_seen and not state.per_token_weights_seen
     masked_kept = int(((mask == 0) & (inputs["targets"] != -100)).sum())
-    assert lean_rows == [masked_kept], lean_rows  # the third call's correction
+    assert pass_rows == [n, n, n, masked_kept], pass_rows  # the third call's correction
 
 
 @pytest.mark.parametrize("budget, upstream_kind", [("auto", "mean"), ("lean", "mean"), ("auto", "masked"),

@@ -48,6 +48,16 @@ def state():
     return UpstreamState()
 
 
+@pytest.fixture
+def pass_rows(monkeypatch):
+    """The number of tokens of each one-pass call (the forward's, and a mask's correction in the
+    backward, which takes the masked rows alone)."""
+    rows = []
+    real = autograd.one_pass
+    monkeypatch.setattr(autograd, "one_pass", lambda e, *a, **k: rows.append(e.shape[0]) or real(e, *a, **k))
+    return rows
+
+
 def _then_flags(call, state):
     """call(), then read the backward's report as the next call would: on a GPU the host learns of
     per-token weights after the next call's forward (UpstreamState.read_reports), on a CPU at once."""
@@ -176,13 +186,13 @@ def _masked_case(device, masked, scale=3.0, **kw):
 @pytest.mark.parametrize("masked", [0.1, 0.3])
 @pytest.mark.parametrize("options", [{}, {"softcap": 3.0}, {"label_smoothing": 0.1}, {"z_loss": 1e-3},
                                      {"label_smoothing": 0.1, "softcap": 3.0, "logits_budget": 3 * 4 * V}])
-def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean_calls, state):
+def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean_calls, pass_rows, state):
     """Megatron's loss_mask / count with the mask not folded (one number on the kept tokens, 0 on
     the masked ones): the first call's weights are sorted on the device (kernels.weighted_grads
     recomputes dC and dbias; the host learns of the mask: masked_weights_seen, no warning); later
     calls sort them on the host, and dC and dbias are that number times (the forward's, minus the
-    masked rows' part), the part recomputed by the lean backward on the masked kept rows alone; dE
-    scales per row."""
+    masked rows' part), the part made by one more pass on the masked kept rows alone; dE scales
+    per row."""
     x, grad_loss, masked_kept = _masked_case(device, masked)
     options = dict(options, impl=IMPL, reduction="none")
     loss_fn = functools.partial(linear_cross_entropy, state=state)
@@ -191,12 +201,13 @@ def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean
             warnings.simplefilter("error")
             check_against_oracle(loss_fn, x, options, TIGHT, grad_loss=grad_loss, label=f"masked {call}")
             state.read_reports()
-        assert lean_calls == [False] * call and lean_calls.rows == [masked_kept] * call
+        assert lean_calls == [] and pass_rows == [N] + [masked_kept] * (call > 0)
+        pass_rows.clear()
         assert state.masked_weights_seen and not state.per_token_weights_seen
     assert state.paths == {"one_pass": 3, "checked": 1, "recomputed": 1, "mask_corrected": 2}
 
 
-def test_masked_upstream_into_main_grad(device, lean_calls, state):
+def test_masked_upstream_into_main_grad(device, lean_calls, pass_rows, state):
     """With Megatron's main_grad (gradient-accumulation fusion) dC goes into it: recomputed by the
     device at the first call, corrected on the masked rows (fp32, unrounded) at the second; c gets
     no gradient."""
@@ -211,7 +222,8 @@ def test_masked_upstream_into_main_grad(device, lean_calls, state):
                                                        c_main_grad=lambda buffer=buffer: buffer, state=state)
         loss.backward(grad_loss)
         state.read_reports()
-        assert c.grad is None and lean_calls.rows == [masked_kept] * call
+        assert c.grad is None and lean_calls == [] and pass_rows == [N] + [masked_kept] * (call > 0)
+        pass_rows.clear()
         assert rel_err(buffer - 0.5, ref.dc) < 5e-5 and rel_err(e.grad, ref.de) < 5e-5
         assert rel_err(bias.grad, ref.dbias) < 5e-5
 
@@ -592,6 +604,12 @@ def _torch_logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zs
     return ref, p.sum(dim=1), None
 
 
+def _torch_scaled_copy(x, scale, dtype):
+    """A PyTorch stand-in for kernels.scaled_copy: the product in fp32, rounded to nearest once."""
+    scale = scale.reshape(-1, *[1] * (x.dim() - 1)) if scale.numel() > 1 else scale.reshape(())
+    return (x.float() * scale).to(dtype)
+
+
 def _torch_add_rows_summed(out, index, e, coef):
     """A PyTorch stand-in for kernels.add_rows_summed (bf16 out; indices outside out's rows skipped)."""
     inside = (index >= 0) & (index < out.shape[0])
@@ -627,9 +645,10 @@ def _torch_weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db
 
 
 def _bf16_stand_ins(device, monkeypatch):
-    """On CPU, PyTorch stand-ins replace the fused GEMM, the target rows' kernels and weighted_grads,
-    and the lean path runs its PyTorch reference (the interpreter runs Triton in fp32 only); the
-    rest of the one-pass path is the real one."""
+    """On CPU, PyTorch stand-ins replace the fused GEMM, the target rows' kernels, weighted_grads and
+    scaled_copy (the interpreter rounds fp32 to bf16 by truncation, a GPU to nearest), and the lean
+    path runs its PyTorch reference (the interpreter runs Triton in fp32 only); the rest of the
+    one-pass path is the real one."""
     if device.type == "cpu":
         import dataclasses
 
@@ -640,6 +659,7 @@ def _bf16_stand_ins(device, monkeypatch):
         monkeypatch.setattr(kernels, "add_rows_summed", _torch_add_rows_summed)
         monkeypatch.setattr(kernels, "fold_rows", _torch_fold_rows)
         monkeypatch.setattr(kernels, "weighted_grads", _torch_weighted_grads)
+        monkeypatch.setattr(kernels, "scaled_copy", _torch_scaled_copy)
         monkeypatch.setattr(functional, "_triton_usable", lambda impl, device, dtype: True)
         lean_backward, local_stats = autograd.lean_backward, autograd.local_stats
         reference = lambda cfg: dataclasses.replace(cfg, use_triton=False)
@@ -790,8 +810,8 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
     rounded to bf16 in the forward, and scaling them by a number that is not a power of two would
     round them twice, so kernels.weighted_grads recomputes both (flagged on the device, no warning)
     and later per-token calls make them in fp32 (masked_weights_seen). The second call's backward
-    then subtracts the masked rows' part from the fp32 dC (the lean backward on those rows alone)
-    and rounds once. Both within plain bf16 PyTorch's error. Stand-ins on CPU (_bf16_stand_ins)."""
+    then subtracts the masked rows' part from the fp32 dC (one more pass on those rows alone) and
+    rounds once. Both within plain bf16 PyTorch's error. Stand-ins on CPU (_bf16_stand_ins)."""
     from cce_parallel.ops import functional, reference
 
     _bf16_stand_ins(device, monkeypatch)
@@ -800,7 +820,7 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
         monkeypatch.setattr(reference, "_logits", lambda e, c, *a: logits(e.float(), c.float(), *a))
     made = []
     real = autograd.one_pass
-    monkeypatch.setattr(autograd, "one_pass", lambda *a, **k: _record(made, real(*a, **k)))
+    monkeypatch.setattr(autograd, "one_pass", lambda e, *a, **k: _record(made, e, real(e, *a, **k)))
     flags = _spy_weighted_grads(monkeypatch)
     e, c, t = _frequent_target_case(device)
     mask = (torch.rand(t.shape, generator=torch.Generator().manual_seed(4)) >= 0.2).float().to(device)
@@ -814,19 +834,19 @@ def test_bf16_masked_upstream_recomputes_once_then_corrects_in_fp32(device, monk
         state.read_reports()  # now, not after the next forward (a GPU host would learn then)
         assert state.masked_weights_seen and not state.per_token_weights_seen
         if call == 0:
-            assert made[-1] == (torch.bfloat16, torch.bfloat16) and lean_calls == [] and flags == [1]
+            assert made == [(len(t), torch.bfloat16, torch.bfloat16)] and lean_calls == [] and flags == [1]
         else:
-            assert made[-1] == (torch.float32, torch.float32) and flags == [1]
-            assert lean_calls == [False] and lean_calls.rows[-1] == masked_kept
+            assert made[1:] == [(len(t), torch.float32, torch.float32), (masked_kept, None, torch.float32)]
+            assert flags == [1] and lean_calls == []
         _assert_beats_plain_bf16(e, c, t, e1.grad, c1.grad, mask * (3.0 / mask.sum()))
     # reduction "mean" keeps making them in bf16.
     e1, c1 = e.clone().requires_grad_(), c.clone().requires_grad_()
     functional.sharded_linear_cross_entropy(e1, c1, t, state=state, impl=IMPL).backward()
-    assert made[-1] == (torch.bfloat16, torch.bfloat16)
+    assert made[-1] == (len(t), torch.bfloat16, torch.bfloat16)
 
 
-def _record(made, out):
-    made.append((out[3].dtype, out[4].dtype))
+def _record(made, e, out):
+    made.append((e.shape[0], *(t.dtype if t is not None else None for t in out[3:5])))
     return out
 
 
