@@ -226,14 +226,16 @@ def softmax_stats(e, c, t, *, rows: int = 1024, eps: float = SOFTMAX_EPS) -> dic
 
 
 @torch.no_grad()
-def reference_loss_grads(e, c, t, *, chunk_bytes: int = 1 << 30):
+def reference_loss_grads(e, c, t, *, coef: torch.Tensor | None = None, chunk_bytes: int = 1 << 30):
     """Mean cross-entropy and its fp32 ∇E [N, D], ∇C [V, D] from the inputs upcast, chunked over
-    tokens ([chunk, V] fp32 logits alive), TF32 off."""
+    tokens ([chunk, V] fp32 logits alive), TF32 off. With coef (shaped like t), the loss
+    Σ coef_i · loss_i instead (a weighted or masked loss) and its gradients."""
     N, V = e.shape[0], c.shape[0]
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         c32 = c.float()
+        a = coef.reshape(-1).float() if coef is not None else None
         g_e = torch.empty(e.shape, dtype=torch.float32, device=e.device)
         g_c = torch.zeros(c.shape, dtype=torch.float32, device=e.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=e.device)
@@ -243,15 +245,16 @@ def reference_loss_grads(e, c, t, *, chunk_bytes: int = 1 << 30):
             tt = t[s : s + chunk]
             x = e32 @ c32.T
             lse = torch.logsumexp(x, dim=-1, keepdim=True)
-            loss_sum += (lse.squeeze(1) - x.gather(1, tt[:, None]).squeeze(1)).double().sum()
+            per_token = (lse.squeeze(1) - x.gather(1, tt[:, None]).squeeze(1)).double()
+            loss_sum += per_token.sum() if a is None else (per_token * a[s : s + chunk].double()).sum()
             x.sub_(lse).exp_()  # x is now the softmax
             x[torch.arange(tt.numel(), device=e.device), tt] -= 1.0
-            x.mul_(1.0 / N)
+            x.mul_(1.0 / N if a is None else a[s : s + chunk, None])
             torch.mm(x, c32, out=g_e[s : s + chunk])
             g_c.addmm_(x.T, e32)
             del x, e32, lse
         del c32
-        return float(loss_sum) / N, g_e, g_c
+        return float(loss_sum) / (N if a is None else 1), g_e, g_c
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
 

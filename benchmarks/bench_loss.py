@@ -29,13 +29,31 @@ DEFAULT_METHODS = "eager,compile,liger,cutce,ours"
 FLOP_CONVENTION = "forward+backward: 6·N·V·D FLOPs (logits, ∇E, ∇C), no credit for recomputing the logits"
 MEMORY_CONVENTION = (
     "peak torch.cuda.max_memory_allocated above memory_allocated just before the call, "
-    "in MiB (2^20 B); the lower bound is the bytes of ∇E + ∇C"
+    "in MiB (2^20 B); the lower bound is the bytes of ∇E + ∇C; ours' from a call after the timed ones (the path "
+    "its module settled on), the others' from the call after the accuracy call"
 )
+# The calling patterns of `ours:<impl>/<pattern>`: how a training loop turns our loss into the scalar it
+# differentiates. r: random per-token weights in [0, 1); mask: 0 on the 10 % of the tokens where r < 0.1, 1
+# elsewhere (_draws). The first four give the per-token weights only in the backward (reduction="none"), the
+# fwd_ ones give them to the forward (weights=, reduction="mean"). fwd_weighted and weighted weigh by the same
+# r but normalize differently: Σ r·loss / Σ r against Σ r·loss / N.
 UPSTREAMS = {
-    "masked": "x loss_mask / count, the mask folded into ignore_index (Megatron's way, 10 % masked)",
-    "folded": "summed / count, the mask folded into ignore_index (the train job's way, 10 % masked)",
-    "unfolded": "x loss_mask / count, the mask not folded into ignore_index (10 % masked)",
-    "weighted": "x random per-token weights / N",
+    "masked": "per-token loss x loss_mask / count, the mask folded into ignore_index (Megatron's way, 10 % masked)",
+    "folded": "per-token loss summed / count, the mask folded into ignore_index (the train job's way, 10 % masked)",
+    "unfolded": "per-token loss x loss_mask / count, the mask not folded into ignore_index (10 % masked)",
+    "weighted": "per-token loss x random per-token weights r / N (the weights only in the backward)",
+    "fwd_weighted": "weights=r in the forward (weighted's r), reduction mean: Σ r·loss / Σ r",
+    "fwd_masked": "weights=loss_mask in the forward (unfolded's mask, 0 / 1), reduction mean: Σ mask·loss / count",
+}
+IN_FORWARD = ("fwd_weighted", "fwd_masked")  # reduction "mean" with weights=; the others reduction "none"
+CALLS = {  # each pattern as a training loop writes it, `loss` its LinearCrossEntropy (docs/api.md's table)
+    "": "loss(e, c, t)",
+    "fwd_weighted": "loss(e, c, t, weights=r)",
+    "fwd_masked": "loss(e, c, t, weights=mask)",
+    "masked": "(loss(e, c, mask_labels(t, mask)) * mask).sum() / mask.sum()",
+    "folded": "loss(e, c, mask_labels(t, mask)).sum() / mask.sum()",
+    "unfolded": "(loss(e, c, t) * mask).sum() / mask.sum()",
+    "weighted": "(loss(e, c, t) * r).sum() / N",
 }
 
 
@@ -62,26 +80,46 @@ def _make_compile():
     return torch.compile(eager_loss, dynamic=False)
 
 
-def _per_token(per_token_fn, upstream: str):
-    """A mean-like scalar from a per-token loss: Megatron's loss_mask / count, or random weights."""
+def _draws(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, mask) of the calling patterns for targets t: fp32 weights uniform in [0, 1) (seed 1), and the
+    0 / 1 float mask that drops the tokens where r < 0.1."""
+    g = torch.Generator(t.device).manual_seed(1)
+    r = torch.rand(t.shape, device=t.device, generator=g)
+    return r, (r >= 0.1).float()
+
+
+def coefficients(upstream: str, t: torch.Tensor) -> torch.Tensor:
+    """a (fp32, shaped like t) such that the pattern's loss is Σ a_i · loss_i, loss_i the token's
+    cross-entropy: what its fp32 reference is computed for (C.reference_loss_grads)."""
+    r, mask = _draws(t)
+    if upstream == "weighted":
+        return r / t.numel()
+    if upstream == "fwd_weighted":
+        return r / r.sum()
+    return mask / mask.sum()  # the masks, in the forward or the backward, folded or not
+
+
+def _pattern(loss_fn, upstream: str):
+    """The scalar loss(e, c, t) of a calling pattern, loss_fn the LinearCrossEntropy it calls."""
     cache: dict = {}
 
     def loss(e, c, t):
         if t not in cache:  # fixed per input set, made outside the timed region after the first call
             cache.clear()
-            g = torch.Generator(t.device).manual_seed(1)
-            cache[t] = torch.rand(t.shape, device=t.device, generator=g)
-        r = cache[t]
+            cache[t] = _draws(t)
+        r, mask = cache[t]
+        if upstream == "fwd_weighted":
+            return loss_fn(e, c, t, weights=r)
+        if upstream == "fwd_masked":
+            return loss_fn(e, c, t, weights=mask)
         if upstream == "unfolded":
-            mask = (r >= 0.1).float()
-            return (per_token_fn(e, c, t) * mask).sum() / mask.sum()
+            return (loss_fn(e, c, t) * mask).sum() / mask.sum()
         if upstream in ("masked", "folded"):
-            mask = (r >= 0.1).float()
             # cce_parallel.megatron.mask_labels (inlined: megatron-core need not be installed here)
-            per_token = per_token_fn(e, c, t.masked_fill(mask == 0, -100))
+            per_token = loss_fn(e, c, t.masked_fill(mask == 0, -100))
             # folded: masked tokens' losses are 0, so the plain sum is the masked one (train.trainer.loss_func)
             return (per_token.sum() if upstream == "folded" else (per_token * mask).sum()) / mask.sum()
-        return (per_token_fn(e, c, t) * r).sum() / t.numel()
+        return (loss_fn(e, c, t) * r).sum() / t.numel()
 
     return loss
 
@@ -118,36 +156,30 @@ def _ours(key: str, out: list) -> None:
         out.append(Method(key, "cce_parallel", unavailable=C.short_error(exc)))
         return
     package, impls = pkg.__name__, list(getattr(pkg, "IMPLS", ()))
+    # What a loss learns from its backwards lives in the LinearCrossEntropy that owns it; a package from
+    # before that kept it in module globals, which methods taking turns would share.
+    stateless = None if hasattr(pkg, "UpstreamState") else f"{package} has no UpstreamState (a loss module's own)"
     for mkey, impl, text, budget in C.expand_ours(spec, impls):
         mkey += f"/{upstream}" if upstream else ""
         if any(m.key == mkey for m in out):
             continue
-        if impl not in impls:
-            out.append(Method(mkey, f"{package} {impl}", unavailable=f"not in IMPLS {impls}"))
+        if stateless or impl not in impls:
+            out.append(Method(mkey, f"{package} {impl}", unavailable=stateless or f"not in IMPLS {impls}"))
             continue
 
-        def make(impl=impl, budget=budget, fn=pkg.linear_cross_entropy):
-            # Each method runs as in a process of its own: the process-wide switches a per-token
-            # backward sets (lean path after /weighted, fp32 gradients after /unfolded) must not
-            # carry over between methods that take turns, so each call sets them as it alone would.
-            learned = importlib.import_module(f"{package}.ops.upstream")
+        def make(impl=impl, budget=budget):
+            # A loss module of its own per method and case, as a training loop holds one: what its
+            # backwards teach it (another path after /weighted or /unfolded) stays there, and methods
+            # taking turns in the rounds never see each other's.
+            module = pkg.LinearCrossEntropy(impl=impl, logits_budget=budget,
+                                            reduction="none" if upstream and upstream not in IN_FORWARD else "mean")
             if not upstream:
-                base = lambda e, c, t: fn(e, c, t, impl=impl, reduction="mean", logits_budget=budget)
-            else:
-                base = _per_token(
-                    lambda e, c, t: fn(e, c, t, impl=impl, reduction="none", logits_budget=budget), upstream)
-            calls = [0]
-
-            def loss(e, c, t):
-                learned.per_token_weights_seen = upstream == "weighted" and calls[0] > 0
-                learned.masked_weights_seen = upstream == "unfolded" and calls[0] > 0
-                calls[0] += 1
-                return base(e, c, t)
-
+                return module
+            loss = _pattern(module, upstream)
+            loss.state = module.state  # as the module's: its paths go into the result (run_case)
             return loss
 
-        label = f"{package} {impl}" + (f" @{text}" if text else "") + (
-            f", per-token loss {UPSTREAMS[upstream]}" if upstream else "")
+        label = f"{package} {impl}" + (f" @{text}" if text else "") + (f", {UPSTREAMS[upstream]}" if upstream else "")
         out.append(Method(mkey, label, make, info={"impl": impl, "logits_budget": budget, "upstream": upstream or None}))
 
 
@@ -214,12 +246,17 @@ def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: in
         if m.unavailable:
             res.update(status="unavailable", error=m.unavailable, wall_s=time.perf_counter() - t1)
             continue
-        try:  # the upstream variants' loss is not the plain mean of the reference
-            mine, fn = C.measure(m.make, e, c, t, device=device, ref=None if m.info.get("upstream") else ref,
-                                 mem_key="fwd_bwd_mem_bytes")
+        mref, upstream = ref, m.info.get("upstream")
+        if upstream and ref is not None:  # a calling pattern's loss is not the plain mean: its own reference
+            mref = _pattern_reference(upstream, e, c, t, out)
+            res["ref_loss"] = mref and mref[0]
+        try:
+            mine, fn = C.measure(m.make, e, c, t, device=device, ref=mref, mem_key="fwd_bwd_mem_bytes")
         except C.FatalCudaError as exc:
             res.update(exc.result)
             raise
+        finally:
+            del mref
         res.update(mine, wall_s=time.perf_counter() - t1)
         if fn is not None:
             alive.append((res, fn))
@@ -227,12 +264,67 @@ def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: in
     try:  # against torch.compile round by round
         C.time_fwd_bwd(alive, e, c, t, args, device=device, flops=6.0 * N * V * D, tflops_key="fwd_bwd_tflops",
                        paired_to="compile")
+        _settled_peaks(alive, e, c, t, device)
     finally:
-        for res, _ in alive:
+        for res, fn in alive:
             res["wall_s"] += (time.perf_counter() - t1) / len(alive)
+            paths = _paths(fn)
+            if paths is not None:
+                res["paths"] = paths
         del alive
     del e, c, t, ref
     C.free_memory(device)
+
+
+def _pattern_reference(upstream: str, e, c, t, out: dict):
+    """The fp32 (loss, ∇E, ∇C) of a calling pattern's loss (coefficients), or None (in out's setup_errors)."""
+    try:
+        return C.reference_loss_grads(e, c, t, coef=coefficients(upstream, t))
+    except Exception as exc:  # noqa: BLE001 - as the plain reference: say so, measure without it
+        out.setdefault("setup_errors", {})[f"fp32 reference /{upstream}"] = C.short_error(exc)
+        if C.is_fatal_cuda_error(exc):
+            raise C.FatalCudaError(str(exc)) from None
+        return None
+    finally:
+        C.free_memory(e.device)
+
+
+def _settled_peaks(alive: list, e, c, t, device) -> None:
+    """Our methods' fwd_bwd_mem_bytes again, from a call after the timed ones: measure() took it at the
+    second call, before the module had read what the first backward taught it (a GPU's report arrives a
+    call late), so a pattern whose first backward moves it to another path (/weighted, /unfolded) would
+    show the first path's peak."""
+    for res, fn in alive:
+        if getattr(fn, "state", None) is None or res.get("status") != "ok":
+            continue
+        try:
+            res["fwd_bwd_mem_bytes"] = C.peak_bytes(lambda fn=fn: _fwd_bwd(fn, e, c, t), device=device)
+        except Exception as exc:  # noqa: BLE001 - recorded as measure() records its failures
+            res.update(C.failure(exc, "fwd+bwd memory after the timed calls"))
+            if C.is_fatal_cuda_error(exc):
+                raise C.FatalCudaError(res["error"]) from None
+        finally:
+            C.clear_grad(e, c)
+            C.free_memory(device)
+
+
+def _fwd_bwd(fn, e, c, t):
+    loss = fn(e, c, t)
+    loss.backward()
+    return loss
+
+
+def _paths(fn) -> dict | None:
+    """The paths a method's LinearCrossEntropy took over every call of the case (accuracy, memory, warm-up
+    and timed calls: UpstreamState.paths), its last backward's report read; None for the peers."""
+    state = getattr(fn, "state", None)
+    if state is None:
+        return None
+    try:
+        state.read_reports()
+    except Exception:  # noqa: BLE001 - a broken CUDA context must not hide the error that broke it
+        pass
+    return dict(sorted(state.paths.items()))
 
 
 # ---- Reports: Markdown, from the JSON alone ------------------------------------------------------
@@ -268,7 +360,8 @@ def render_markdown(data: dict) -> str:
          "call), CUDA events (perf_counter on a CPU), fresh gradients each call, reduction 'mean'; forward + "
          f"backward in {meta.get('rounds', 1)} rounds over all methods, one warm-up call per method in each later round"),
         f"- FLOPs: {FLOP_CONVENTION}", f"- memory: {MEMORY_CONVENTION}",
-        "- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference from the same inputs upcast",
+        ("- errors: ‖x − ref‖_F / ‖ref‖_F against an fp32 reference from the same inputs upcast; for a calling "
+         "pattern (`ours:X/<pattern>`), the reference of its own loss (Σ a_i·loss_i, a_i its per-token factors)"),
         ("- fwd+bwd ×compile, paired: per round, the method's median fwd+bwd time over torch.compile's in "
          "that round; the median of those ratios over the rounds (a clock drifting between rounds cancels)"),
         "", "Regimes:"]
@@ -305,6 +398,10 @@ def render_markdown(data: dict) -> str:
                                "loss err", "∇E err", "∇C err", "status"], rows), ""]
         paired = [f"- fwd+bwd of `{key}` over `{base}`'s, paired: {r:.3f}" for key, base, r in over_base_paired(cs, meta)]
         lines += [*paired, ""] if paired else []
+        paths = [f"- `{k}`: " + ", ".join(f"{name} {n}" for name, n in r["paths"].items())
+                 for k, r in cs["methods"].items() if r.get("paths")]
+        lines += ["Paths taken (each module's UpstreamState.paths, forwards and backwards by name, over every call "
+                  "of the case: accuracy, memory, warm-up and timed):", "", *paths, ""] if paths else []
     if data.get("aborted"):
         lines += [f"**run aborted:** {data['aborted']}", ""]
     return "\n".join(lines) + "\n"
@@ -314,7 +411,7 @@ def render_markdown(data: dict) -> str:
 
 
 def parse_args(argv=None):
-    methods_help = "eager, compile, liger, cutce, ours[:<impl>][@<budget>][/masked|/folded|/unfolded|/weighted]"
+    methods_help = f"eager, compile, liger, cutce, ours[:<impl>][@<budget>][/{'|/'.join(UPSTREAMS)}]"
     p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
     p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens N for the model shapes")

@@ -502,11 +502,82 @@ def performance_train_1gpu() -> str:
     return train_table(TRAIN_1GPU, "peak memory")
 
 
+# The calling-patterns run (benchmarks/README.md, "loss"), e.g. "h200_<yyyymmdd>_patterns", that docs/api.md's
+# api-calling-patterns block renders: None until it is committed (the block then fails, saying so).
+CALLING: str | None = None
+PATH_ORDER = ("one_pass", "lean", "scaled", "checked", "recomputed", "deferred", "mask_corrected")  # forwards first
+
+
+def most_paths(paths: dict | None) -> str:
+    """The paths most of a method's calls took: those its UpstreamState.paths counted at least half as often
+    as its most counted one."""
+    if not paths:
+        return "–"
+    top = max(paths.values())
+    return " + ".join(p for p in (*PATH_ORDER, *sorted(set(paths) - set(PATH_ORDER))) if 2 * paths.get(p, 0) >= top)
+
+
+def api_calling_patterns(stem: str | None = None, regime: str = "trained") -> str:
+    """One table from a loss result with ours' plain mean and its calling patterns (`ours:X/<pattern>`,
+    bench_loss.UPSTREAMS) in the same rounds: per pattern and model shape, its fwd+bwd time over the plain
+    mean's, paired (bench_loss.over_base_paired); the plain mean's own ms, and torch.compile's ratio where
+    it ran."""
+    import bench_loss
+
+    stem = stem or CALLING
+    if stem is None:
+        raise SystemExit("render --docs: api-calling-patterns has no result yet: run the calling-patterns command of "
+                         "benchmarks/README.md, commit its files and set render_docs.CALLING to their stem")
+    data = load(stem)
+    meta = data["meta"]
+    cs = {c["shape"]: c for c in data["cases"] if c["kind"] == "main" and c["regime"] == regime}
+    shapes = [s for s in SHAPES if s in cs] + [s for s in cs if s not in SHAPES]
+    plains = [k for k, m in meta["methods"].items() if k.startswith("ours:") and not m.get("upstream")]
+    plain = plains[0] if len(plains) == 1 else OURS if OURS in plains else None
+    if plain is None or not shapes:
+        raise SystemExit(f"api-calling-patterns: {stem} has no {regime} cases, or not one plain ours ({plains})")
+    ratios = {s: {k: r for k, _, r in bench_loss.over_base_paired(cs[s], meta)} for s in shapes}
+    sizes = C.round_sizes(meta["repeats"], meta["rounds"])
+
+    def times(s, key):
+        return (cs[s]["methods"].get(key, {}).get("fwd_bwd") or {}).get("times_ms")
+
+    def paths(key):
+        seen = [most_paths(cs[s]["methods"].get(key, {}).get("paths")) for s in shapes]
+        return " / ".join(dict.fromkeys(seen))  # one entry where every shape took the same
+
+    def label(up):
+        reduction = "mean" if not up or up in bench_loss.IN_FORWARD else "none"
+        return f'`{bench_loss.CALLS[up]}`, `reduction="{reduction}"`'
+
+    own = [C.get(cs[s]["methods"].get(plain, {}), "fwd_bwd", "median_ms") for s in shapes]
+    rows = [[label(""), *(f"{ms(t)} ms" if t else "–" for t in own), paths(plain)]]
+    for key, m in meta["methods"].items():
+        if key.rpartition("/")[0] == plain and m.get("upstream") in bench_loss.CALLS:
+            rows.append([label(m["upstream"]), *(x(ratios[s][key]) if key in ratios[s] else "–" for s in shapes),
+                         paths(key)])
+    if "compile" in meta["methods"]:
+        pairs = [(times(s, "compile"), times(s, plain)) for s in shapes]
+        over = [C.paired_ratio(t, ref, sizes) if t and ref else None for t, ref in pairs]
+        rows.append(["torch.compile of PyTorch's plain mean, for scale", *(x(r) if r else "–" for r in over), "–"])
+    c0 = cs[shapes[0]]
+    return "\n".join([header(stem), *C.md_table(["calling pattern", *(SHAPES.get(s, s) for s in shapes), "path"], rows),
+                      "", wrap(
+        "Forward + backward time of each calling pattern over the plain mean's (first row: its median) in the same "
+        f"run, paired: per round the ratio of the two medians, the median of those over {meta['rounds']} rounds "
+        f"({meta['repeats']} timed calls of each in all); N = {c0['N']:,} tokens, {c0['dtype']}, {regime} data, "
+        f"{meta['device']}, commit {meta['git_commit'][:7]} (`benchmarks/results/{stem}.md`). `loss`: a "
+        f"`LinearCrossEntropy(impl=\"{meta['methods'][plain].get('impl')}\", reduction=...)` of its own per "
+        "pattern; r: per-token weights uniform in [0, 1); mask: 0 on the 10 % of the tokens where r < 0.1, else "
+        "1; `mask_labels` (cce_parallel.megatron) sets `ignore_index` where the mask is 0. path: what most calls "
+        "ran (`loss.state.paths`, forwards and backwards by name: `UpstreamState` describes them).")])
+
+
 BLOCKS = {f.__name__.replace("_", "-"): f for f in (  # NAME of <!-- render:NAME --> from the function's name
     readme_intro, readme_measured, performance_short, performance_vs_compile, performance_runs, performance_tp,
     performance_loss, performance_upstream, performance_mask, performance_floor, performance_train_tp2dp2,
     performance_train_1gpu, megatron_memory, accuracy_short, accuracy_bench, training_gemma2, internals_budgets,
-    training_determinism)}
+    training_determinism, api_calling_patterns)}
 _BLOCK = re.compile(r"(<!-- render:([\w-]+) -->\n)(.*?)(<!-- /render:\2 -->)", re.DOTALL)
 
 
