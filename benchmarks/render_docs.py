@@ -504,7 +504,7 @@ def performance_train_1gpu() -> str:
 
 # The calling-patterns run (benchmarks/README.md, "loss"), e.g. "h200_<yyyymmdd>_patterns", that docs/api.md's
 # api-calling-patterns block renders: None until it is committed (the block then fails, saying so).
-CALLING: str | None = None
+CALLING: str | None = "h200_20261128_patterns"
 PATH_ORDER = ("one_pass", "lean", "scaled", "checked", "recomputed", "deferred", "mask_corrected")  # forwards first
 
 
