@@ -164,7 +164,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 g_k = torch.where(keep, g, 0.0)
                 w = g_k / grad_scale
                 if cfg.fp32_grads:  # the state knew of masks (masked_weights_seen): sort on the host
-                    kind, r = upstream._weights_kind(w, keep)  # the one host sync
+                    kind, r, masked = upstream._weights_kind(w, keep)  # the one host sync
                     ratio = torch.full((), r, **f32) if r is not None else None
                 else:  # the device decides, no host sync (see _weights_over_kept)
                     kind = "device"
@@ -206,7 +206,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 paths["mask_corrected"] += 1
                 dc = db = None
                 if dc1 is not None or db1 is not None:
-                    rows = torch.nonzero(keep & (w == 0)).squeeze(1)
+                    rows = torch.nonzero_static(keep & (w == 0), size=masked).squeeze(1)  # no second sync
                     g_m = grad_scale.neg().expand(rows.numel())  # the forward's weights of those rows, negated
                     g_m = (g_m * weights[rows] if weights is not None else g_m).contiguous()
                     prepared = (targets[rows], keep[rows], counts, torch.ones_like(grad_scale))

@@ -63,21 +63,22 @@ def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
 
 
 def _weights_kind(w: torch.Tensor, keep: torch.Tensor):
-    """(kind, r) of the per-token weights w over the kept tokens, in one host sync: ("one", r) where
-    they all equal r (0 where all are 0 or nothing is kept); ("mask", r) where they are 0 on some
-    and r on all the others; ("many", None) otherwise, NaN included (it must reach the gradients)."""
+    """(kind, r, m) of the per-token weights w over the kept tokens, in one host sync: ("one", r, 0)
+    where they all equal r (0 where all are 0 or nothing is kept); ("mask", r, m) where they are 0
+    on m of them and r on all the others; ("many", None, 0) otherwise, NaN included (it must reach
+    the gradients)."""
     if not w.numel():
-        return "one", 0.0
+        return "one", 0.0, 0
     inf = float("inf")
     nonzero = keep & (w != 0)  # NaN counts as nonzero: amin / amax propagate it
     lo, hi, zeros = torch.stack([torch.where(nonzero, w, inf).amin().double(),
                                  torch.where(nonzero, w, -inf).amax().double(),
                                  (keep & (w == 0)).sum().double()]).tolist()
     if lo == inf:
-        return "one", 0.0
+        return "one", 0.0, 0
     if lo != hi:  # NaN too
-        return "many", None
-    return ("mask" if zeros else "one"), lo
+        return "many", None, 0
+    return ("mask" if zeros else "one"), lo, int(zeros)
 
 
 class UpstreamState:
