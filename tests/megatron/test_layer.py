@@ -147,8 +147,9 @@ def test_layer_owns_its_state():
     assert state.per_token_weights_seen and state.paths["recomputed"] == 1
     assert "cce_state=UpstreamState(" in repr(layer) and "per_token_weights_seen=True" in repr(layer)
     assert not other.cce_state.per_token_weights_seen and not other.cce_state.paths
-    layer(hidden, labels=labels)
-    assert state.paths["lean"] == 1  # later per-token calls of this layer take the lean path
+    loss, _ = layer(hidden, labels=labels)
+    (loss * torch.randn(B, S)).sum().backward()
+    assert state.paths["deferred"] == 1  # later per-token calls of this layer make ∇W in their backward
     other(hidden, labels=labels)
     assert other.cce_state.paths == {"one_pass": 1}
     assert CCEOutputLayer.convert(layer, CCEOptions(impl="cce_kahan_full_c")).cce_state is state

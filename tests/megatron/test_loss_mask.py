@@ -8,7 +8,7 @@ hand), and the upstream gradient is one number over the kept tokens, so the one-
 scales the gradients it computed in the forward (the lean backward does not run). Without the fold
 the masked tokens keep their losses, and the upstream gradient, one number and 0 on the masked
 tokens, makes the first backward recompute (on the device) and later ones subtract the masked
-rows' part (the lean backward on those rows alone). What the output layer learns is its own
+rows' part (one more one-pass sweep of those rows alone). What the output layer learns is its own
 (``output_layer.cce_state``): another CCE model knows nothing of it, and ``reset_cce_state``
 forgets it.
 
@@ -60,14 +60,17 @@ def _check(device, report):
     ref = build(s, device)
     _, ref_grads = _step(ref, batch, batch["labels"])
     cce = build(s, device, cce={"impl": "cce_kahan_full_c"})
-    lean_rows = []  # the tokens of each lean backward (a recompute or the masked rows' correction)
+    lean_rows = []  # the tokens of each lean backward (a recompute)
     lean_backward = autograd.lean_backward
     autograd.lean_backward = lambda e, *a, **k: lean_rows.append(e.shape[0]) or lean_backward(e, *a, **k)
+    pass_rows = []  # the tokens of each one-pass sweep (a forward's, or the masked rows' correction)
+    one_pass = autograd.one_pass
+    autograd.one_pass = lambda e, *a, **k: pass_rows.append(e.shape[0]) or one_pass(e, *a, **k)
 
     # The model gets the mask: masked tokens' losses are 0, the upstream gradient one number.
     state = cce.gpt.output_layer.cce_state
     loss, grads = _step(cce, batch, batch["labels"], loss_mask=mask)
-    out["fast_path"] = not lean_rows
+    out["fast_path"] = not lean_rows and pass_rows == [batch["labels"].numel()]
     out["fast_paths"] = dict(state.paths)  # one one-pass forward, its gradients scaled, no recompute
     out["masked_loss_max"] = loss[masked].abs().max().item()
     out["grad_vs_megatron"] = max(rel_err(grads[n], g) for n, g in ref_grads.items())
@@ -103,17 +106,19 @@ def _check(device, report):
     out["control_masked_seen"] = state.masked_weights_seen
     other = build(s, device, cce={"impl": "cce_kahan_full_c"}).gpt.output_layer.cce_state
     out["other_model_learned"] = other.masked_weights_seen or other.per_token_weights_seen
-    del lean_rows[:]
+    del lean_rows[:], pass_rows[:]
     state.paths.clear()
     _, control_grads = _step(cce, batch, batch["labels"])
     out["control_lean_rows"] = lean_rows[:]
+    out["control_pass_rows"] = pass_rows[:]
+    out["tokens"] = batch["labels"].numel()
     out["control_paths"] = dict(state.paths)
     out["masked_kept"] = int((masked & (batch["labels"] >= 0)).sum())
     out["control_vs_megatron"] = max(rel_err(control_grads[n], g) for n, g in ref_grads.items())
     out["control_no_switch"] = not state.per_token_weights_seen
     cce.gpt.output_layer.reset_cce_state()
     out["reset_forgets"] = not state.masked_weights_seen and not state.paths
-    autograd.lean_backward = lean_backward
+    autograd.lean_backward, autograd.one_pass = lean_backward, one_pass
     report.result("loss_mask", out)
 
 
@@ -153,7 +158,8 @@ def test_model_folds_the_loss_mask(outcome):
         assert r["fast_path"], f"rank {rank}: the backward recomputed per token (the mask was not folded): {r}"
         assert r["fast_paths"] == {"one_pass": 1, "checked": 1}, r
         assert not r["learned_before_control"], r
-        assert r["control_masked_seen"] and r["control_lean_rows"] == [r["masked_kept"]], r
+        assert r["control_masked_seen"] and r["control_lean_rows"] == [], r
+        assert r["control_pass_rows"] == [r["tokens"], r["masked_kept"]], r
         assert r["control_paths"] == {"one_pass": 1, "mask_corrected": 1}, r
         assert not r["other_model_learned"] and r["reset_forgets"], r
         assert r["control_no_switch"], r
