@@ -119,6 +119,15 @@ class ModelConfig(Section):
     zero_centered_norm: bool = False
     """Norm weights w applied as (1 + w) and initialized to 0, as Gemma stores them (megatron-core's
     layernorm_zero_centered_gamma); the norms compute in fp32."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction (DeepSeek-V3; megatron-core's MTP): this many extra layers on the last
+    pipeline stage, layer k predicting the token k + 1 places ahead through the shared output layer
+    (with a CCE loss, each depth's loss is CCE's too: no logits per depth). Each depth's masked mean
+    loss, times mtp_loss_scaling_factor / mtp_num_layers, is added to the training loss (not to the
+    logged lm loss). CUDA only (megatron-core's MTP loss tracker allocates on the GPU). None: off."""
+    mtp_loss_scaling_factor: float = 0.1
+    """The weight of the MTP losses (megatron-core's default): their mean over the depths is added
+    to the loss times this. Only with mtp_num_layers."""
 
     def __post_init__(self):
         self._positive("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -138,6 +147,11 @@ class ModelConfig(Section):
             if not 0.0 <= getattr(self, name) < 1.0:
                 self._fail(name, "must be in [0, 1)")
         self._positive("attention_softcap", "sliding_window", allow_none=True)
+        self._positive("mtp_num_layers", allow_none=True)
+        if not math.isfinite(self.mtp_loss_scaling_factor) or self.mtp_loss_scaling_factor < 0:
+            self._fail("mtp_loss_scaling_factor", "must be a finite number >= 0")
+        if self.mtp_num_layers is None and self.mtp_loss_scaling_factor != 0.1:
+            self._fail("mtp_loss_scaling_factor", "only applies with model.mtp_num_layers (multi-token prediction)")
         if self.init_from is not None and (not self.init_from.startswith("hf:") or len(self.init_from) < 4):
             self._fail("init_from", "must be hf:<transformers model directory>, or null")
         for name in self.gemma2_options:

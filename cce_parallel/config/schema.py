@@ -157,6 +157,11 @@ class Recipe:
                     "loss.fusion_impl: te (Transformer Engine's parallel_cross_entropy, a Triton kernel) needs "
                     "CUDA; use native or auto for loss.impl=megatron_fused on CPU"
                 )
+            if self.model.mtp_num_layers is not None:
+                raise RecipeError(
+                    f"model.mtp_num_layers: {self.model.mtp_num_layers} (multi-token prediction) needs CUDA "
+                    "(megatron-core's MTP loss tracker allocates on the GPU); use null on CPU"
+                )
             if self.model.recompute_granularity is not None:
                 raise RecipeError(
                     f"model.recompute_granularity: {self.model.recompute_granularity} needs CUDA (megatron-core's "

@@ -45,6 +45,17 @@ what its backwards taught it (per-token weights that come only in the backward m
 calls leave ∇weight to the backward, a mask makes them compute fp32 gradients, a bf16 ∇weight made
 for another number teaches the loss scale) and a Counter of the paths taken (``cce_state.paths``). It shows in the layer's repr;
 ``reset_cce_state()`` forgets it. No other layer, and no plain ``linear_cross_entropy`` call, sees it.
+
+Multi-token prediction (``config.mtp_num_layers`` = n): GPTModel calls the layer once per MTP depth
+and then once for the main head in the same forward (see ``cce_parallel.megatron.model``).
+``route_labels(labels, mtp_labels=[l_1, ..., l_n])`` hands the first n calls without labels the
+depths' labels, in order, then the main head its own. Depth k's upstream gradient is another
+number than the main head's (megatron scales its loss by ``mtp_loss_scaling_factor /
+mtp_num_layers``), so it has a state of its own, ``layer.mtp_cce_states[k]`` (k = 1 .. n, megatron's ``mtp_k loss``): what depth k's
+backwards teach never reaches the main head's ``cce_state``, nor another depth's. Its loss scale
+is ``CCEOptions.loss_scale · mtp_loss_scaling_factor / mtp_num_layers`` where the option is given
+(and ``calculate_per_token_loss`` is off), else what its state learned. The repr shows these
+states; ``reset_cce_state()`` forgets them too.
 """
 
 import contextlib
@@ -253,15 +264,22 @@ class CCEOutputLayer(ColumnParallelLinear):
             )
         if getattr(self, "cce_state", None) is None or options != getattr(self, "cce_options", None):
             self.cce_state = UpstreamState()
+            # One state per multi-token-prediction depth k = 1 .. mtp_num_layers (see the module doc).
+            depths = getattr(self.config, "mtp_num_layers", None) or 0
+            self.mtp_cce_states = {k: UpstreamState() for k in range(1, depths + 1)}
         self.cce_options = options
         self._cce_pending_labels = None  # labels routed here by GPTModel._postprocess (see use_cce)
         self._cce_pending_weights = None  # and their per-token weights (loss_weights)
+        self._cce_pending_mtp = []  # (depth, labels) of the MTP depths' calls, before the main head's
         self._cce_last_loss = None
 
     def reset_cce_state(self):
-        """Forget what the backwards taught the loss and the paths it counted (UpstreamState.reset):
-        the next call takes the path its arguments choose, as in a fresh layer."""
+        """Forget what the backwards taught the loss and the paths it counted (UpstreamState.reset),
+        the main head's and every MTP depth's: the next call takes the path its arguments choose,
+        as in a fresh layer."""
         self.cce_state.reset()
+        for state in self.mtp_cce_states.values():
+            state.reset()
 
     # -----------------------------------------------------------------------------------------
 
@@ -280,6 +298,11 @@ class CCEOutputLayer(ColumnParallelLinear):
         if routed:
             if loss_weights is not None:
                 raise ValueError("loss_weights were given twice: to the layer's forward and to route_labels")
+            if self._cce_pending_mtp:  # an MTP depth's call (they come before the main head's)
+                depth, depth_labels = self._cce_pending_mtp.pop(0)
+                loss = self.per_token_loss(input_, depth_labels, weight, mtp_depth=depth)
+                self._cce_last_loss = loss
+                return loss, None
             labels, self._cce_pending_labels = self._cce_pending_labels, None
             loss_weights, self._cce_pending_weights = self._cce_pending_weights, None
         if labels is None:
@@ -301,6 +324,7 @@ class CCEOutputLayer(ColumnParallelLinear):
         weight: torch.Tensor | None = None,
         *,
         loss_weights: torch.Tensor | None = None,
+        mtp_depth: int | None = None,
     ):
         """loss [b, s] fp32 for hidden states [s(/tp), b, h] and labels [b, s]; see the module doc.
 
@@ -310,13 +334,24 @@ class CCEOutputLayer(ColumnParallelLinear):
         number) by the caller, the backward only scales them. A loss_weights tensor that requires
         grad gets the unweighted per-token loss as its gradient.
 
+        mtp_depth: k in 1 .. mtp_num_layers for the loss of multi-token-prediction depth k: the
+        call then uses that depth's state (``mtp_cce_states[k]``) and loss scale (module doc).
+
         Misuse raises ValueError / TypeError on every rank of the tensor-parallel group (the
         others learn of it in the loss's first collective), never a hang.
         """
         tp = get_pg_size(self.tp_group)
         group = self.tp_group if tp > 1 else None
         sequence_parallel = bool(self.sequence_parallel) and tp > 1
+        state, loss_kwargs = self.cce_state, self.cce_options.loss_kwargs()
         try:
+            if mtp_depth is not None:
+                if mtp_depth not in self.mtp_cce_states:
+                    raise ValueError(
+                        f"mtp_depth={mtp_depth!r}: this layer's config has mtp_num_layers="
+                        f"{getattr(self.config, 'mtp_num_layers', None)}, depths {sorted(self.mtp_cce_states)}"
+                    )
+                state, loss_kwargs["loss_scale"] = self.mtp_cce_states[mtp_depth], self._mtp_loss_scale()
             weight = self._resolve_weight(weight, tp)
             if any_dtensor(weight):
                 # Its mesh would be taken for the vocabulary's; an FSDP shard is not a vocabulary shard.
@@ -361,14 +396,25 @@ class CCEOutputLayer(ColumnParallelLinear):
             bias=self.bias,
             reduction="none",
             weights=None if loss_weights is None else loss_weights.t(),
-            state=self.cce_state,
-            **self.cce_options.loss_kwargs(),
+            state=state,
+            **loss_kwargs,
             tp_group=group,
             sequence_parallel=sequence_parallel,
             main_grad=main_grad,
         )
         # [s, b] -> [b, s], contiguous as Megatron's compute_language_model_loss returns it.
         return loss.t().contiguous()
+
+    def _mtp_loss_scale(self) -> float | None:
+        """What the schedule multiplies an MTP depth's loss by: megatron-core's MTP scales each
+        depth's masked mean by mtp_loss_scaling_factor / mtp_num_layers (MTPLossAutoScaler) on top
+        of the main loss's scale, CCEOptions.loss_scale. None (the depth's state learns it) where
+        that option is not given, or with calculate_per_token_loss (no mean over the tokens)."""
+        scale, config = self.cce_options.loss_scale, self.config
+        if scale is None or getattr(config, "calculate_per_token_loss", False):
+            return None
+        scale *= config.mtp_loss_scaling_factor / config.mtp_num_layers
+        return scale or None  # a factor of 0: no gradient to make, nothing to scale for
 
     def _resolve_weight(self, weight, tp: int):
         if weight is None:
@@ -421,15 +467,43 @@ class CCEOutputLayer(ColumnParallelLinear):
             raise ValueError(f"labels must be [b, s] = {(b, s)} for hidden states {layout}; got {got}{hint}")
 
     @contextlib.contextmanager
-    def route_labels(self, labels: torch.Tensor, loss_weights: torch.Tensor | None = None):
+    def route_labels(
+        self,
+        labels: torch.Tensor,
+        loss_weights: torch.Tensor | None = None,
+        mtp_labels: list | tuple = (),
+    ):
         """Within the block, the next call without labels computes the loss with these labels (and
-        these per-token weights [b, s], where given)."""
+        these per-token weights [b, s], where given).
+
+        mtp_labels: [l_1, ..., l_n], labels [b, s] of the multi-token-prediction depths 1 .. n,
+        whose calls come first (GPTModel's order): the first n calls without labels compute depth
+        k's loss with l_k (its state and scale, see the module doc), the next one the loss above.
+        The block raises RuntimeError if it ends with a depth's labels, or the main head's after
+        the depths', unused: megatron-core called the layer another way than it routes them.
+        """
+        if len(mtp_labels) > len(self.mtp_cce_states):
+            raise ValueError(
+                f"{len(mtp_labels)} MTP depths' labels for a layer with mtp_num_layers="
+                f"{getattr(self.config, 'mtp_num_layers', None)}"
+            )
         self._cce_pending_labels, self._cce_pending_weights = labels, loss_weights
+        self._cce_pending_mtp = list(enumerate(mtp_labels, start=1))
         self._cce_last_loss = None
         try:
             yield
+            if mtp_labels and (self._cce_pending_mtp or self._cce_pending_labels is not None):
+                left = [f"mtp_{k}" for k, _ in self._cce_pending_mtp]
+                left += ["the main head"] if self._cce_pending_labels is not None else []
+                raise RuntimeError(
+                    f"the output layer was called {len(mtp_labels) + 1 - len(left)} times without labels under "
+                    f"route_labels, not {len(mtp_labels) + 1} (once per MTP depth, then the main head), so the "
+                    f"labels of {', '.join(left)} went unused and the losses computed may have had another "
+                    "call's labels; this megatron-core version's GPTModel._postprocess calls it another way"
+                )
         finally:
             self._cce_pending_labels = self._cce_pending_weights = None
+            self._cce_pending_mtp = []
             self._cce_last_loss = None
 
     def is_routed_loss(self, tensor) -> bool:
@@ -448,7 +522,8 @@ class CCEOutputLayer(ColumnParallelLinear):
         )
 
     def __repr__(self):
-        return super().__repr__()[:-1] + f", impl={self.cce_options.impl}, cce_state={self.cce_state!r})"
+        mtp = f", mtp_cce_states={self.mtp_cce_states!r}" if self.mtp_cce_states else ""
+        return super().__repr__()[:-1] + f", impl={self.cce_options.impl}, cce_state={self.cce_state!r}{mtp})"
 
 
 def _check_loss_weights(input_, labels, loss_weights):

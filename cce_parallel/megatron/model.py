@@ -33,14 +33,44 @@ has no ``output_processor`` hook in ``GPTModel.forward``, so ``use_cce`` does th
   they ignore the labels. With ``loss_mask`` too, masked tokens give 0 and the others their
   weighted loss.
 
+Multi-token prediction (``config.mtp_num_layers`` = n >= 1, the DeepSeek-V3 recipe; the MTP
+layers on the last pipeline stage, as megatron-core places them): ``_postprocess`` runs the MTP
+block, then calls the output layer on depth k's hidden states for k = 1 .. n, taking
+``compute_language_model_loss(labels rolled k times, ·)`` times the loss_mask rolled k times,
+over that mask's sum, times ``mtp_loss_scaling_factor / n``, attached to the graph by
+``MTPLossAutoScaler``; then the main head's call. The CCE model computes the same rolled labels
+and masks first (megatron-core's own ``roll_tensor``, with its context-parallel group and packed
+sequences; ``loss_mask`` None is all ones, as there), folds each mask into its labels
+(``mask_labels``) and routes them to the output layer ahead of the main head's
+(``route_labels(labels, mtp_labels=...)``): each depth's loss is the layer's, computed without
+its logits, and megatron-core's loop (the mask product, the count, the scale, the logging
+tracker) runs on it unchanged. With the masks folded, each depth's upstream gradient is one
+number over its kept tokens, which the one-pass loss only scales; each depth has its own
+``UpstreamState`` (``output_layer.mtp_cce_states[k]``) and loss scale (layer.py). The routing
+relies on megatron-core's order of calls (the depths, then the main head; 0.16 and 0.19 alike);
+the layer raises RuntimeError after the forward if the calls did not use every label routed.
+``loss_weights`` weight the main head's loss only (the model returns it); the depths' are
+megatron-core's, masked by ``loss_mask`` alone. megatron-core 0.19 also counts, for logging,
+how often each depth's argmax is its label (the MTP "acceptance rate"): CCE builds no logits to
+take an argmax of, so the CCE depths add nothing to those counts (the rate logs 0) rather than
+numbers taken from the losses. Without labels (megatron-core 0.19 then derives them from the
+input ids), and in inference, the model runs megatron-core's own MTP on logits.
+
 Without labels, and in inference mode, the model returns logits [b, s, V/tp] (or gathered) as
-Megatron does. Multi-token prediction is not supported (its extra heads roll the labels).
+Megatron does.
 """
 
+import contextlib
 import inspect
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper, roll_tensor
+
+try:  # megatron-core 0.19: a process-wide flag, read by GPTModel._postprocess for inference
+    from megatron.core.inference.utils import InferenceMode
+except ImportError:  # megatron-core 0.16: inference is an inference_context outside training
+    InferenceMode = None
 
 from cce_parallel.megatron.layer import CCEOptions, CCEOutputLayer, mask_labels
 
@@ -152,7 +182,7 @@ class _CCEGPTModelMixin:
     def _postprocess(self, *args, **kwargs):
         bound = _postprocess_signature(type(self)).bind_partial(self, *args, **kwargs).arguments
         labels = bound.get("labels")
-        inference = bound.get("inference_context") is not None and not self.training
+        inference = (bound.get("inference_context") is not None and not self.training) or _inference_mode_active()
         layer = getattr(self, "output_layer", None)
         loss_weights = self._cce_loss_weights
         if labels is None or inference or not self.post_process or not isinstance(layer, CCEOutputLayer):
@@ -168,19 +198,63 @@ class _CCEGPTModelMixin:
                 )
             return super()._postprocess(*args, **kwargs)
         loss_mask = bound.get("loss_mask")
+        mtp_labels = self._cce_mtp_labels(labels, loss_mask, bound.get("packed_seq_params"))
         if loss_mask is not None:
             # Megatron's loss_func multiplies the per-token loss by this mask; folded into the labels,
             # masked tokens give exactly 0 (the product is unchanged) and no gradient, so the
             # upstream gradient is one number over the kept tokens (see the module doc).
             labels = mask_labels(labels, loss_mask, layer.cce_options.ignore_index)
-        with layer.route_labels(labels, loss_weights):
+        with layer.route_labels(labels, loss_weights, mtp_labels=mtp_labels), _no_acceptance_counts(mtp_labels):
             return super()._postprocess(*args, **kwargs)
+
+    def _cce_mtp_labels(self, labels, loss_mask, packed_seq_params) -> list:
+        """[l_1, ..., l_n]: the labels of MTP depth k, as megatron-core's loop rolls them (k times,
+        along the sequence), with its loss_mask rolled alike folded in (module doc); [] without MTP."""
+        depths = getattr(self.config, "mtp_num_layers", None) or 0
+        ignore_index = self.output_layer.cce_options.ignore_index
+        mask = loss_mask if loss_mask is not None else torch.ones_like(labels)
+        cp_group = self.pg_collection.cp
+        out = []
+        for _ in range(depths):
+            labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+            mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+            out.append(mask_labels(labels, mask, ignore_index))
+        return out
 
     def compute_language_model_loss(self, labels, logits):
         layer = getattr(self, "output_layer", None)
         if isinstance(layer, CCEOutputLayer) and layer.is_routed_loss(logits):
             return logits  # already the per-token loss [b, s]
         return super().compute_language_model_loss(labels, logits)
+
+
+def _inference_mode_active() -> bool:
+    return InferenceMode is not None and InferenceMode.is_active()
+
+
+@contextlib.contextmanager
+def _no_acceptance_counts(mtp_labels):
+    """megatron-core 0.19 adds, per MTP depth in training, how many of the depth's argmax
+    predictions hit their label to ``MTPLossLoggingHelper.tracker`` (correct_values, total_values).
+    Taken from a CCE depth's output (its loss, not logits) the count would be meaningless: the
+    block leaves the counts as they were, so the CCE depths add nothing to them (module doc)."""
+    tracker = getattr(MTPLossLoggingHelper, "tracker", None)
+    keys = ("correct_values", "total_values")
+    if not mtp_labels or not isinstance(tracker, dict):
+        yield
+        return
+    before = {k: tracker[k].clone() for k in keys if isinstance(tracker.get(k), torch.Tensor)}
+    try:
+        yield
+    finally:
+        for key in keys:
+            counts = tracker.get(key)
+            if not isinstance(counts, torch.Tensor):
+                continue
+            if key in before:
+                counts.copy_(before[key])
+            else:  # made by this forward
+                counts.zero_()
 
 
 _MODEL_CLASSES = {}
@@ -213,8 +287,13 @@ def _model_class(cls: type) -> type:
 
 
 def _convert(gpt: GPTModel, options: CCEOptions):
-    if getattr(gpt.config, "mtp_num_layers", None):
-        raise NotImplementedError("use_cce does not support multi-token prediction (mtp_num_layers)")
+    config = gpt.config
+    if getattr(config, "use_mup", False) and getattr(config, "mup_output_mult", 1.0) != 1.0:
+        # megatron-core >= 0.19 multiplies the output layer's result by it (GPTModel._scale_logits),
+        # which for a CCE layer is the loss, not the logits.
+        raise NotImplementedError(
+            f"use_cce does not support MuP's output scaling (use_mup with mup_output_mult={config.mup_output_mult})"
+        )
     if gpt.post_process:
         CCEOutputLayer.convert(gpt.output_layer, options)
     gpt.__class__ = _model_class(type(gpt))

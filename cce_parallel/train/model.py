@@ -13,6 +13,7 @@ output layer + megatron-core's ``cross_entropy_loss_fusion`` (``cross_entropy_fu
 or te: ``loss_fusion_impl``). Needs parallel_state initialized.
 """
 
+import dataclasses
 import importlib.util
 
 import torch
@@ -126,6 +127,9 @@ def transformer_config(recipe: Recipe, *, dtype: torch.dtype, cpu_init: bool, in
         # Megatron's own switch: Transformer Engine's deterministic kernels, no nondeterministic fusions.
         deterministic_mode=recipe.train.deterministic,
         layernorm_zero_centered_gamma=m.zero_centered_norm,
+        # Multi-token prediction (DeepSeek-V3): its layers sit on the last pipeline stage.
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
     )
 
 
@@ -155,17 +159,41 @@ def layer_spec(recipe: Recipe, config: TransformerConfig, device: str):
     return local_gpt_layer_spec(**gemma2)
 
 
+def mtp_block_spec(config: TransformerConfig, spec, *, use_te: bool):
+    """megatron-core's multi-token-prediction block spec for the layer or block spec `spec` (each
+    MTP layer is its last transformer layer between megatron-core's MTP norms and projection), or
+    None where this rank builds no MTP layer (no config.mtp_num_layers, or not the last stage).
+    Without Transformer Engine the MTP norms are ``LocalNorm``s, as in the local spec (megatron-core's
+    local norm refuses sequence parallelism)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from cce_parallel.megatron import LocalNorm
+
+    if not config.mtp_num_layers:
+        return None
+    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te)
+    if block is None or use_te:
+        return block
+    layers = []
+    for layer in block.layer_specs:
+        norms = dataclasses.replace(layer.submodules, enorm=LocalNorm, hnorm=LocalNorm, layer_norm=LocalNorm)
+        layers.append(dataclasses.replace(layer, submodules=norms))
+    return dataclasses.replace(block, layer_specs=layers)
+
+
 def build_gpt(
     recipe: Recipe, config: TransformerConfig, *, vocab_size: int, device: str,
     loss_scale: float | None = None,
 ) -> GPTModel:
-    """This rank's GPTModel stage (pre/post-process by pipeline stage), with the recipe's loss layer.
+    """This rank's GPTModel stage (pre/post-process by pipeline stage), with the recipe's loss layer
+    and, with model.mtp_num_layers, megatron-core's multi-token-prediction layers on the last stage.
     loss_scale: what the schedule multiplies each micro-batch's loss by (1 / micro-batches), for
     the CCE layer (CCEOptions.loss_scale)."""
     m, loss = recipe.model, recipe.loss
+    spec = layer_spec(recipe, config, device)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(recipe, config, device),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -176,6 +204,7 @@ def build_gpt(
         rotary_base=m.rotary_base,
         rope_scaling=m.rope_scaling_factor is not None,
         rope_scaling_factor=m.rope_scaling_factor or 8.0,  # megatron's default, unused without scaling
+        mtp_block_spec=mtp_block_spec(config, spec, use_te=use_te(recipe, device)),
     )
     use_local_rotary(model)  # RoPE's frequencies stay on the model's device (CPU runs too)
     if m.scale_embeddings and model.pre_process:
@@ -212,10 +241,13 @@ def count_parameters(model: torch.nn.Module, tp: int) -> tuple[int, int]:
 def flops_per_token(recipe: Recipe, vocab_size: int) -> float:
     """Training FLOPs per token (forward + backward): 6 per weight of every matmul, the output
     layer included, plus the attention scores and values 12 · layers · seq · head_dim · heads
-    (not halved for causality, as Megatron-LM and PaLM count)."""
+    (not halved for causality, as Megatron-LM and PaLM count). Each multi-token-prediction depth
+    adds a layer, its [2h -> h] projection and another pass through the output layer."""
     m = recipe.model
     h, heads, groups, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     attention = h * heads * d + 2 * h * groups * d + heads * d * h
     mlp = h * m.ffn_size * (3 if m.activation in ("swiglu", "geglu") else 2)
-    matmul_weights = m.num_layers * (attention + mlp) + vocab_size * h
-    return 6.0 * matmul_weights + 12.0 * m.num_layers * m.seq_length * heads * d
+    mtp = m.mtp_num_layers or 0
+    layers = m.num_layers + mtp
+    matmul_weights = layers * (attention + mlp) + mtp * 2 * h * h + (1 + mtp) * vocab_size * h
+    return 6.0 * matmul_weights + 12.0 * layers * m.seq_length * heads * d
