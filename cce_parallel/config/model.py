@@ -136,6 +136,13 @@ class ModelConfig(Section):
                        "vocab_size", allow_none=True)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             self._fail("num_attention_heads", f"must divide hidden_size={self.hidden_size} (or set model.kv_channels)")
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            # Rotary embeddings turn pairs of channels; megatron-core's would fail in the first step
+            # ("The size of tensor a (15) must match the size of tensor b (16)").
+            key = "kv_channels" if self.kv_channels is not None else "num_attention_heads"
+            self._fail(key, f"gives a head size of {self.head_dim} (hidden_size={self.hidden_size} / "
+                            f"num_attention_heads={self.num_attention_heads}, or kv_channels); rotary embeddings "
+                            "(position_embedding=rope) need an even head size")
         self._positive("rope_scaling_factor", allow_none=True)
         if self.rope_scaling_factor is not None and self.position_embedding != "rope":
             self._fail("rope_scaling_factor", "needs position_embedding=rope")

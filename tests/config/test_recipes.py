@@ -81,6 +81,16 @@ def test_gemma_recipe_is_gemma_2_2b():
     assert architecture(load_recipe(ROOT / "recipes" / "gemma-2b-owt.yaml")) == "gemma2"
 
 
+def test_an_odd_head_size_with_rope_is_refused():
+    """hidden 60 over 4 heads is a head size of 15: rotary embeddings need an even one. The recipe
+    check says so, instead of megatron-core's shape error in the first training step."""
+    with pytest.raises(RecipeError, match="^model.num_attention_heads: gives a head size of 15 .*even head size"):
+        recipe_from_dict({"model": {"hidden_size": 60, "num_attention_heads": 4, "position_embedding": "rope"}})
+    with pytest.raises(RecipeError, match="^model.kv_channels: gives a head size of 15"):
+        recipe_from_dict({"model": {"kv_channels": 15, "position_embedding": "rope"}})
+    recipe_from_dict({"model": {"hidden_size": 60, "num_attention_heads": 4}})  # learned positions: fine
+
+
 def test_gemma2_options_are_checked():
     for model, key in (({"attention_softcap": 0.0}, "model.attention_softcap"),
                        ({"sliding_window": -1}, "model.sliding_window"),
