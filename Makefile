@@ -14,6 +14,8 @@ PY := $(VENV)/bin/python
 # and pytest.
 setup: $(PY)
 	$(PY) -m pip install -q torch==2.13.0 -e '.[test]'
+	@echo "cce_parallel is installed in $(VENV). In a new shell, run its commands as $(VENV)/bin/cce-train and" \
+	      "$(VENV)/bin/python -m cce_parallel.train, or activate it first: . $(VENV)/bin/activate"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
