@@ -54,12 +54,12 @@ def read_checkpoint(path) -> tuple[dict, object, dict]:
     import torch.distributed.checkpoint as dcp
 
     from cce_parallel.config import recipe_from_dict
-    from cce_parallel.train.checkpoint_files import _SafeReader, _TensorsOnly, verify
+    from cce_parallel.train.checkpoint_files import SafeReader, TensorsOnly, verify
 
     path = resolve_checkpoint(path)
     meta = verify(path)
     recipe = recipe_from_dict(meta["recipe"])
-    metadata = _SafeReader(str(path)).read_metadata()
+    metadata = SafeReader(str(path)).read_metadata()
     if recipe.parallel.fsdp == "megatron":
         return meta, recipe, _check_stages(path, meta, megatron_fsdp.read(path, meta, metadata))
     templates, where = {}, {}
@@ -73,7 +73,7 @@ def read_checkpoint(path) -> tuple[dict, object, dict]:
         where[key] = (int(match.group(1)), int(match.group(2)), match.group(4))
     if not templates:
         raise ConversionError(f"{path}: the checkpoint holds no model tensors")
-    dcp.load(templates, storage_reader=_SafeReader(str(path)), planner=_TensorsOnly(), no_dist=True)
+    dcp.load(templates, storage_reader=SafeReader(str(path)), planner=TensorsOnly(), no_dist=True)
     stages: dict = {}
     for key, (t, p, name) in where.items():
         stages.setdefault((t, p), {})[name] = templates[key]

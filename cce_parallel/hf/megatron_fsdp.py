@@ -83,9 +83,9 @@ def read(path: Path, meta: dict, metadata) -> dict:
 
     from cce_parallel.train.checkpoint_files import (
         SHARD_INDEX_FORMAT,
-        _json_name,
-        _SafeReader,
-        _TensorsOnly,
+        SafeReader,
+        TensorsOnly,
+        json_name,
         shard_index_key,
     )
 
@@ -93,7 +93,7 @@ def read(path: Path, meta: dict, metadata) -> dict:
     world = layout.get("world", layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1))
     indexes = []
     for rank in range(world):
-        name = _json_name(shard_index_key(rank))
+        name = json_name(shard_index_key(rank))
         if name not in meta.get("files", {}):
             raise ConversionError(
                 f"{path}: this parallel.fsdp=megatron checkpoint has no {name}: it was written before the train job "
@@ -123,7 +123,7 @@ def read(path: Path, meta: dict, metadata) -> dict:
                                       "does not hold")
             templates[key] = torch.empty(item.size, dtype=item.properties.dtype)
     if templates:
-        dcp.load(templates, storage_reader=_SafeReader(str(path)), planner=_TensorsOnly(), no_dist=True)
+        dcp.load(templates, storage_reader=SafeReader(str(path)), planner=TensorsOnly(), no_dist=True)
     shards = [
         Shard(index["rank"], index["tp"], index["pp"], entry["name"], tuple(entry["shape"]), entry["start"],
               entry["stop"], templates.get(entry["key"]) if entry["key"] is not None else None)

@@ -79,10 +79,10 @@ import torch.distributed.checkpoint as dcp
 
 from cce_parallel.train.checkpoint_files import (
     CheckpointError,
-    _json_name,
-    _SafeReader,
-    _TensorsOnly,
+    SafeReader,
+    TensorsOnly,
     checkpoints,
+    json_name,
     latest_checkpoint,
     lock_run_dir,
     newest_valid,
@@ -160,9 +160,9 @@ def load(path, *, engine, layout: dict) -> dict:
     docs = {}
     for key in (rng_key, optim_key):
         try:
-            docs[key] = json.loads((path / _json_name(key)).read_bytes())
+            docs[key] = json.loads((path / json_name(key)).read_bytes())
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"{path / _json_name(key)} is unreadable ({err})") from None
+            raise CheckpointError(f"{path / json_name(key)} is unreadable ({err})") from None
     # DCP loads in place into a template of the same keys: the model's own state dict (every data-
     # parallel rank reads the copy data-parallel rank 0 wrote) and empty tensors shaped as saved.
     state = _model_state(engine, tp, pp) if fsdp != "megatron" else {}
@@ -177,7 +177,7 @@ def load(path, *, engine, layout: dict) -> dict:
             saved_keys = set(_templates(docs[optim_key], {}))
             if set(mine) != saved_keys:
                 raise CheckpointError(
-                    f"{path / _json_name(optim_key)}: the optimizer state does not match this rank's shards "
+                    f"{path / json_name(optim_key)}: the optimizer state does not match this rank's shards "
                     f"({len(saved_keys)} tensors saved, {len(mine)} here)"
                 )
             state.update(mine)
@@ -185,7 +185,7 @@ def load(path, *, engine, layout: dict) -> dict:
             _encode(live, optim_key, state)
     for doc in docs.values():
         _templates(doc, state)
-    dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnly())
+    dcp.load(state, storage_reader=SafeReader(path), planner=TensorsOnly())
     for i, chunk in enumerate(engine.model):
         if fsdp == "megatron":
             chunk.module.install_optimized_model_weights()  # fp32 main weights -> bf16 weights

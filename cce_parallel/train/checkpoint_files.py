@@ -34,7 +34,7 @@ def step_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def _json_name(key: str) -> str:
+def json_name(key: str) -> str:
     """The file of a state object's JSON document (``rank3/rng`` -> ``rank3.rng.json``)."""
     return key.replace("/", ".") + ".json"
 
@@ -208,7 +208,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
 
 
-class _SafeReader(FileSystemReader):
+class SafeReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         file = Path(self.path) / ".metadata"
         with open(file, "rb") as f:
@@ -222,7 +222,7 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
-class _TensorsOnly(DefaultLoadPlanner):
+class TensorsOnly(DefaultLoadPlanner):
     def load_bytes(self, read_item, value):
         # DCP would torch.load(weights_only=False) a non-tensor value.
         raise CheckpointError(f"{read_item.dest_index.fqn} is not a tensor; checkpoints hold tensors only")

@@ -27,7 +27,7 @@ from cce_parallel.train.checkpoint_files import (
     LATEST,
     META,
     CheckpointError,
-    _json_name,
+    json_name,
     _meta_digest,
     _sha256,
     step_name,
@@ -166,7 +166,7 @@ class Checkpointer:
         dist.barrier(group=self.group)
         tensors, docs = _state_to_save(engine)
         for key, doc in docs.items():
-            (tmp / _json_name(key)).write_text(json.dumps(doc))
+            (tmp / json_name(key)).write_text(json.dumps(doc))
         # What meta.json records of this moment; the scheduler moves on while the files are written.
         record = dict(meta, format=FORMAT, step=step, consumed_samples=consumed_samples,
                       scheduler=engine.scheduler.state_dict(), time=time.time())

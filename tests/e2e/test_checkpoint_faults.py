@@ -54,7 +54,7 @@ def test_checkpoint_holds_tensors_and_small_json(two_checkpoints):
         assert name.endswith((".json", ".distcp")) or name == ".metadata", name
         if name.endswith(".json") and name != "meta.json":
             assert (path / name).stat().st_size < 64 << 10, name  # structure and plain values, no tensor data
-    metadata = checkpoint_files._SafeReader(path).read_metadata()
+    metadata = checkpoint_files.SafeReader(path).read_metadata()
     kinds = {type(md).__name__ for md in metadata.state_dict_metadata.values()}
     assert kinds == {"TensorStorageMetadata"}  # nothing DCP would unpickle on load
     assert any(key.startswith("tp1_pp0/optim/0/state_dict/") for key in metadata.state_dict_metadata)
@@ -182,7 +182,7 @@ def test_metadata_unpickler_refuses_code(two_checkpoints, tmp_path):
 
     (path / ".metadata").write_bytes(pickle.dumps(Exploit()))
     with pytest.raises(checkpoint.CheckpointError, match="posix.system is not allowed"):
-        checkpoint_files._SafeReader(path).read_metadata()
+        checkpoint_files.SafeReader(path).read_metadata()
     assert not (tmp_path / "pwned").exists()
 
 
