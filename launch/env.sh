@@ -30,7 +30,14 @@
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 seconds torchrun gives its workers after forwarding a
 #                                      signal before it SIGKILLs them (default 30: too short for
 #                                      the checkpoint save of a large model). A torch without
-#                                      torchrun --shutdown-timeout ignores it and keeps 30.
+#                                      torchrun --shutdown-timeout ignores it and keeps 30. The
+#                                      launchers' agent (python -m cce_parallel.train.torchrun)
+#                                      waits longer where the job estimates its save needs it,
+#                                      on any torch.
+#
+# Also read:
+#   PYTHON                             the Python that runs the job (default: python on PATH, else python3)
+#   TORCHRUN                           another agent, e.g. "torchrun" (default: $PYTHON -m cce_parallel.train.torchrun)
 #
 # Not set here; export them for your network (multi-node):
 #   NCCL_SOCKET_IFNAME=eth0            interface for NCCL's bootstrap and socket transport (the one
@@ -83,9 +90,27 @@ cce_run() {
     exec "$@"
 }
 
+cce_python() {
+    # The Python that runs the job: $PYTHON if set, else python (or python3) on PATH.
+    if [ -n "${PYTHON:-}" ]; then
+        echo "$PYTHON"
+    elif command -v python > /dev/null 2>&1; then
+        echo python
+    else
+        echo python3
+    fi
+}
+
 cce_torchrun() {
-    # The torchrun command as an array: $TORCHRUN if set (e.g. "python -m torch.distributed.run").
-    read -r -a CCE_TORCHRUN <<< "${TORCHRUN:-torchrun}"
+    # The torchrun command as an array: $TORCHRUN if set (e.g. "torchrun"), else the train job's
+    # own (python -m cce_parallel.train.torchrun): torchrun's agent, which exits 0 when every rank
+    # saved and stopped on a signal (torchrun: 1) and waits as long as that save needs before its
+    # SIGKILL (cce_parallel/train/torchrun.py).
+    if [ -n "${TORCHRUN:-}" ]; then
+        read -r -a CCE_TORCHRUN <<< "$TORCHRUN"
+    else
+        CCE_TORCHRUN=("$(cce_python)" -m cce_parallel.train.torchrun)
+    fi
 }
 
 cce_count_gpus() {

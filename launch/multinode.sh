@@ -6,8 +6,10 @@
 #   # on each of 4 nodes, node0 being reachable from all of them:
 #   launch/multinode.sh 4 8 node0:29500 recipes/x.yaml --set train.steps=1000
 #
-# Runs: torchrun --nnodes NNODES --nproc-per-node NGPUS_PER_NODE --rdzv-backend c10d
-#       --rdzv-endpoint HOST:PORT --rdzv-id $RDZV_ID -m cce_parallel.train --recipe RECIPE ...
+# Runs: python -m cce_parallel.train.torchrun --nnodes NNODES --nproc-per-node NGPUS_PER_NODE
+#       --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id $RDZV_ID -m cce_parallel.train --recipe RECIPE ...
+# (torchrun's agent with the job's exit status and grace, as launch/train.sh says; each node's
+# command exits 0 when its ranks saved and stopped on a signal).
 #
 # Rendezvous: the node whose address is HOST hosts the c10d store on PORT (open that TCP port
 # between the nodes); node ranks are assigned as nodes join, so no node needs its rank. NNODES
@@ -32,7 +34,8 @@
 #   RDZV_ID          rendezvous id (see above)
 #   RDZV_CONF        extra --rdzv-conf, e.g. join_timeout=1800 for slow node starts
 #   MAX_RESTARTS     torchrun --max-restarts (default 0: fail fast)
-#   TORCHRUN         another torchrun command (default: torchrun on PATH)
+#   TORCHRUN         another agent, e.g. torchrun (default: $PYTHON -m cce_parallel.train.torchrun)
+#   PYTHON           the Python (default: python on PATH, else python3)
 #   CCE_DRY_RUN=1    print the command and exit
 set -euo pipefail
 

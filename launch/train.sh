@@ -15,12 +15,20 @@
 #            kernels then run under the Triton interpreter only with TRITON_INTERPRET=1 (slow);
 #            otherwise the loss falls back to its PyTorch implementation.
 #
-# Runs: torchrun --standalone --nnodes 1 --nproc-per-node NGPUS -m cce_parallel.train --recipe RECIPE ...
-# The arguments after RECIPE go to the trainer unchanged.
+# Runs: python -m cce_parallel.train.torchrun --standalone --nnodes 1 --nproc-per-node NGPUS
+#       -m cce_parallel.train --recipe RECIPE ...
+# (torchrun's agent with the job's exit status and grace: cce_parallel/train/torchrun.py). The
+# arguments after RECIPE go to the trainer unchanged.
+#
+# Exit status: 0 when the run finished, or when every rank saved a checkpoint and stopped on a
+# signal (SIGTERM, SIGUSR1 to this process or its group) or at train.exit_duration: start the same
+# command again to resume; 2 for a bad recipe or data; 128 + N when signal N stopped the run
+# without a checkpoint from every rank; 1 for any other failure.
 #
 # Environment: see launch/env.sh (CUDA_DEVICE_MAX_CONNECTIONS=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=1,
 # OMP_NUM_THREADS, NCCL_*). One node needs no NCCL network settings: GPUs talk over NVLink / PCIe.
-#   TORCHRUN="python -m torch.distributed.run"   another torchrun (default: torchrun on PATH)
+#   TORCHRUN=torchrun                             another agent (default: $PYTHON -m cce_parallel.train.torchrun)
+#   PYTHON=/path/to/python                        the Python (default: python on PATH, else python3)
 #   CCE_DRY_RUN=1                                 print the command and exit
 set -euo pipefail
 

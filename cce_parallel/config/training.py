@@ -59,6 +59,13 @@ class TrainConfig(Section):
     stop_at: int | None = None
     """Stop after this step (saving a checkpoint) without changing the schedule, like Megatron-LM's
     --exit-interval; a later start resumes. None: run all steps."""
+    exit_duration: float | None = None
+    """Wall-clock budget of this start, in minutes (as Megatron-LM's --exit-duration-in-mins),
+    counted from the process's start: the run stops with a checkpoint after the last step that
+    leaves time for another step and a save (the save's estimate: docs/training.md) within it, and
+    exits 0, so that a job ends on its own before its allocation does; a later start resumes (and
+    gets the budget afresh). Leave a minute or two of the allocation beyond it for start-up and
+    teardown. None: no budget."""
     deterministic: bool = False
     """Bitwise reproducible GPU runs (same recipe, seed and layout; a resumed run equals one that
     never stopped): deterministic torch kernels (embedding and attention backward included),
@@ -67,7 +74,7 @@ class TrainConfig(Section):
 
     def __post_init__(self):
         self._positive("steps", "micro_batch_size", "global_batch_size")
-        self._positive("grad_accumulation", "stop_at", allow_none=True)
+        self._positive("grad_accumulation", "stop_at", "exit_duration", allow_none=True)
         if self.global_batch_size % self.micro_batch_size:
             self._fail("global_batch_size", f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
 

@@ -10,7 +10,10 @@
     checkpoint_files.py   its files: names, meta.json and checksums, verification, the run directory's lock, safe reading
     checkpoint_state.py   the engine's state (model, optimizer, RNG) as tensors for DCP + JSON
     checkpoint_writer.py  Checkpointer: host buffers, the background write, atomic publishing
-    signals.py            SIGTERM / SIGUSR1: save at the next step boundary and exit 0
+    signals.py            SIGTERM / SIGUSR1 (and train.exit_duration): save at the next step boundary and exit 0
+    grace.py              how long a save on a signal takes, the launcher's grace, the warning where it is short
+    torchrun.py           torchrun for the job (python -m cce_parallel.train.torchrun): exit 0 after a clean stop
+                          on a signal, and a grace that fits the save
     metrics.py            console, metrics.jsonl, wandb
     estimate.py           --dry-run: meta-device model, parameter count, memory estimate, layout
 

@@ -40,11 +40,12 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    started = time.monotonic()  # train.exit_duration counts from here
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     from cce_parallel.config import RecipeError, dump_recipe, load_recipe
     from cce_parallel.data import DataError
-    from cce_parallel.train import launch
+    from cce_parallel.train import grace, launch
 
     launch.quiet_warnings()
     quiet = os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 speaks for all
@@ -81,13 +82,17 @@ def main(argv=None) -> int:
         launch.prepare_environment(recipe, device)  # before megatron-core (and triton) is imported
         from cce_parallel.train.trainer import Trainer
 
-        trainer = Trainer(recipe, device, command=shlex.join([sys.executable, "-m", "cce_parallel.train", *argv]))
+        trainer = Trainer(recipe, device, command=shlex.join([sys.executable, "-m", "cce_parallel.train", *argv]),
+                          started=started)
         try:
             trainer.train()
         except BaseException:
             trainer.close(failed=True)
             raise
         trainer.close()
+        if trainer.stopped is not None:  # for the launcher's agent, after a signal (torchrun.py)
+            stopped = trainer.stopped
+            grace.mark_stopped(stopped["step"], stopped["checkpoint"], stopped["reason"])
     except RecipeError as err:
         _report("recipe", err, quiet)
         return 2

@@ -36,15 +36,22 @@ vocabulary, tp/dp: parallel sizes, P: this rank's parameters):
   no fp32 main_grad takes ∇C, ∇C is bf16, and over several blocks an fp32 row per distinct
   target (at most min(N, V/tp)) is added;
   CCE, lean: ∇E + ∇C in the compute dtype plus a workspace of at most 64 MiB.
+
+The checkpoint: its bytes (grace.checkpoint_bytes: the weights, fp32 main weights and two Adam
+moments per parameter, each parameter once) and the save's time at the write speed that earlier
+saves in the run directory measured, else an assumed 1 GB/s; on a signal, the grace the
+launcher must give (grace.py).
 """
 
 import contextlib
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from cce_parallel.config import Recipe, RecipeError
+from cce_parallel.train import grace
 
 
 def _tokenizer_vocab(recipe: Recipe) -> int:
@@ -164,12 +171,16 @@ def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None
                        "activations": activations, "loss_megatron": logits, "loss_cce": cce,
                        "total_megatron": base + logits, "total_cce": base + cce})
 
+    # Every tensor-parallel rank of a stage holds about its first rank's parameters.
+    stored = sum(stage["params_local"] for stage in stages) * p.tensor
+    save = grace.estimate(grace.checkpoint_bytes(stored, width, p.fsdp), run_dir=Path(recipe.run.out_dir) / recipe.run.name,
+                          asynchronous=recipe.checkpoint.asynchronous)
     report = {
         "recipe": recipe.run.name, "world": world, "tp": p.tensor, "pp": p.pipeline, "dp": dp,
         "accumulation": accumulation, "device": device, "dtype": str(dtype).replace("torch.", ""),
         "vocab": vocab, "tokenizer_vocab": tokenizer_vocab, "params_total": total, "stages": stages,
         "memory": memory, "flops_per_token": flops_per_token(recipe, vocab), "loss_impl": recipe.loss.impl,
-        "tokens_per_step": t.global_batch_size * s,
+        "tokens_per_step": t.global_batch_size * s, "save": save.to_json(), "save_s": save.save_s,
     }
     if not quiet:
         print(format_report(recipe, report))
@@ -282,4 +293,14 @@ def format_report(recipe: Recipe, r: dict) -> str:
             f"  the loss layer needs {last['loss_megatron'] / max(last['loss_cce'], 1):,.1f}x less memory with CCE "
             f"({_bytes(last['loss_megatron']).strip()} -> {_bytes(last['loss_cce']).strip()} per micro-batch)"
         )
+    save = r["save"]
+    per_param = "12 bytes per parameter: fp32 main weights and two Adam moments" if recipe.parallel.fsdp == "megatron" else (
+        f"{4 if r['dtype'] == 'float32' else 2} + 12 bytes per parameter: the weights, fp32 main weights and two Adam moments")
+    lines.append(f"checkpoint: {grace.format_bytes(save['bytes'])} ({per_param}); a save takes about "
+                 f"{grace.format_seconds(r['save_s'])} "
+                 f"at {save['bytes_per_s'] / 1e9:.3g} GB/s ({save['source']})")
+    lines.append(f"  on a signal: the step in progress, then up to {grace.format_seconds(save['on_signal_s'])} for "
+                 f"{'the save in flight and ' if save['asynchronous'] else ''}the save; the launcher's grace should be at "
+                 f"least {save['needed_s']} s (launch/*.sh and python -m cce_parallel.train wait that long; a bare "
+                 "torchrun: --shutdown-timeout)")
     return "\n".join(lines)

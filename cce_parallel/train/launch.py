@@ -2,8 +2,9 @@
 
 ``python -m cce_parallel.train`` is meant to run under torchrun. Started without it, a recipe
 that needs one process runs in-process (world size 1); one that needs more re-executes itself
-as ``python -m torch.distributed.run --standalone --nproc-per-node N -m cce_parallel.train ...``
-with N = tensor · pipeline · (data or 1), and says so.
+as ``python -m cce_parallel.train.torchrun --standalone --nproc-per-node N -m cce_parallel.train ...``
+(torchrun, with an exit status for a stop on a signal: torchrun.py) with N = tensor · pipeline ·
+(data or 1), and says so.
 """
 
 import ctypes
@@ -56,23 +57,13 @@ def needed_world_size(recipe: Recipe) -> int:
 
 
 def relaunch(nproc: int, argv: list[str]):
-    """Replace this process by torchrun starting nproc copies of the entry point (no return)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    """Replace this process by torchrun (through cce_parallel.train.torchrun: its exit status and
+    grace) starting nproc copies of the entry point (no return)."""
+    cmd = [sys.executable, "-m", "cce_parallel.train.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "cce_parallel.train", *argv]
-    torchrun_signal_defaults()
     print(f"not under torchrun: this recipe needs {nproc} processes; running\n  {' '.join(cmd)}", flush=True)
     sys.stdout.flush()
     os.execv(sys.executable, cmd)
-
-
-def torchrun_signal_defaults():
-    """torchrun forwards the signals it handles to its workers and SIGKILLs them after a timeout.
-    Add SIGUSR1 (launch/slurm.sbatch's warning before the time limit; unhandled, it would kill
-    torchrun and so its workers) and give a save 300 s instead of 30 (launch/env.sh does the same)."""
-    # torchrun reads its --signals-to-handle from PET_SIGNALS_TO_HANDLE (and overwrites
-    # TORCHELASTIC_SIGNALS_TO_HANDLE with it).
-    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
 
 
 def prepare_environment(recipe: Recipe, device: str):

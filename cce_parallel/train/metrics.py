@@ -18,6 +18,13 @@ Records of ``metrics.jsonl`` (one JSON object per line; rank 0 writes):
                                                   reading them (the rest were hashed as written)
     {"kind": "resume", "step", "path", "verify_s", "load_s"}
                                                   a start that continued from a checkpoint
+    {"kind": "stop", "step", "reason", "checkpoint", "elapsed_s"}
+                                                  how training ended: reason "signal",
+                                                  "exit_duration", "stop_at" or "done"; the newest
+                                                  checkpoint (or null); seconds since the start
+    {"kind": "grace_warning", "step", "grace_s", "bytes", "bytes_per_s", "source", "step_s",
+     "asynchronous", "on_signal_s", "needed_s"}   the launcher's grace is shorter than a save on a
+                                                  signal needs (train/grace.py)
 A resumed run appends to the same file; readers keep the last record of each step.
 
 Peak memory is ``torch.cuda.max_memory_allocated`` per rank on GPUs, and the peak resident set
@@ -134,7 +141,8 @@ def _start_wandb(run_dir: Path, recipe_dict: dict, *, mode: str, project: str, n
 def read_metrics(path) -> dict:
     """{"meta": [...], "train": {step: record}, "eval": {step: record}, ...} from a metrics.jsonl;
     later records of a step (after a resume) replace earlier ones."""
-    out = {"meta": [], "train": {}, "eval": {}, "checkpoint_start": {}, "checkpoint": {}, "resume": {}}
+    out = {"meta": [], "train": {}, "eval": {}, "checkpoint_start": {}, "checkpoint": {}, "resume": {}, "stop": {},
+           "grace_warning": {}}
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue

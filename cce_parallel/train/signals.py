@@ -1,15 +1,20 @@
-"""Preemption: a signal makes the run save at the next step boundary and exit 0.
+"""Preemption: a signal (or the end of train.exit_duration) makes the run save at the next step
+boundary and exit 0.
 
 On the first of ``checkpoint.signals`` (default SIGTERM and SIGUSR1: what SLURM sends before a
 time limit or a preemption, and what torchrun forwards to its workers) each rank notes it. After
-every step the ranks take the maximum of their notes (one all-reduce of one number), so they all
+every step the ranks take the maximum of their notes (one all-reduce of two numbers), so they all
 stop after the same step even when the signal reached them at different times. The trainer then
-saves, waits for the checkpoint, and exits 0; a restart resumes from it.
+saves, waits for the checkpoint, and exits 0; a restart resumes from it. (torchrun's own agent then
+exits 1 all the same; the job's launcher, cce_parallel.train.torchrun, exits 0: see torchrun.py.)
 
 A second signal exits at once (exit status 128 + its number), and so does the deadline
 ``checkpoint.signal_deadline_s`` after the first, from a timer thread: a rank stuck in a collective
 never reaches the next step boundary. Signals within ``SAME_SIGNAL_S`` of the first count as that
 one: torchrun forwards to its workers a signal that SLURM also sent to them directly.
+
+The same all-reduce carries each rank's verdict on ``train.exit_duration`` (the trainer's: would
+another step and its save end after it?), so that the ranks also stop together for that.
 """
 
 import os
@@ -54,12 +59,14 @@ class StopOnSignal:
         _say(f"{why}: exiting at once, without a checkpoint")
         os._exit(128 + number)
 
-    def agreed(self) -> bool:
-        """Whether any rank has received a signal (collective: every rank calls it after each step)."""
-        flag = torch.tensor([0.0 if self.first is None else 1.0],
-                            device=torch.cuda.current_device() if self.device == "cuda" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agreed(self, time_up: bool = False) -> str | None:
+        """Collective (every rank calls it after each step): ``"signal"`` when any rank has received
+        a signal, else ``"exit_duration"`` when time_up on any rank, else None. One all-reduce."""
+        flags = torch.tensor([0.0 if self.first is None else 1.0, 1.0 if time_up else 0.0],
+                             device=torch.cuda.current_device() if self.device == "cuda" else "cpu")
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, out_of_time = flags.tolist()
+        return "signal" if signalled else "exit_duration" if out_of_time else None
 
     def restore(self):
         """The handlers from before, and no deadline (the run has saved, or stops otherwise)."""

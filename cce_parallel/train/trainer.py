@@ -7,6 +7,8 @@ vocab_parallel_cross_entropy), masked by the dataset's loss_mask, summed, and re
 token count; the schedule divides by the token count and the number of micro-batches.
 """
 
+import contextlib
+import dataclasses
 import datetime
 import functools
 import math
@@ -23,7 +25,7 @@ from megatron.core import parallel_state
 
 from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
 from cce_parallel.megatron import mask_labels
-from cce_parallel.train import checkpoint, launch
+from cce_parallel.train import checkpoint, grace, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine
 from cce_parallel.train.metrics import MetricsLogger, peak_memory_per_rank, peak_tflops
@@ -62,8 +64,10 @@ def loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor, *, folded: bool 
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, device: str, *, command: str = ""):
+    def __init__(self, recipe: Recipe, device: str, *, command: str = "", started: float | None = None):
+        """started: time.monotonic() at the process's start (train.exit_duration counts from it)."""
         self.recipe, self.device, self.command = recipe, device, command
+        self.started = time.monotonic() if started is None else started
         # From here on a signal is noted (not fatal): the run saves after its first step and exits.
         self.on_signal = StopOnSignal(recipe.checkpoint.signals, recipe.checkpoint.signal_deadline_s, device)
         self.layout = launch.init_distributed(recipe, device)
@@ -125,6 +129,13 @@ class Trainer:
         self.flops_per_token = flops_per_token(recipe, self.vocab_size)
         self.peak_tflops = peak_tflops(recipe.logging.peak_tflops, device)
         self._record_meta(info)
+        self.stopped: dict | None = None  # how train() ended: step, reason, checkpoint
+        self._last_checkpoint = str(resume_from) if resume_from is not None else None
+        self._step_s: float | None = None
+        self._warned_need = 0
+        self.grace = grace.launcher_grace()
+        self.save_estimate = self._first_save_estimate(resume_from)
+        self._check_grace(self.save_estimate, at_start=True)
 
     # -- setup helpers ---------------------------------------------------------------------
 
@@ -180,6 +191,47 @@ class Trainer:
         if self.rank0:
             print(f"initialized from {report['path']} ({report['architecture']}, {report['tensors']} tensors on rank 0, "
                   f"{time.perf_counter() - start:.1f} s)", flush=True)
+
+    def _first_save_estimate(self, resume_from: Path | None) -> grace.SaveEstimate:
+        """How long a save will take (grace.py): the resumed checkpoint's bytes, or the parameters'
+        (each stored once), at the speed the run directory's earlier saves measured (collective;
+        rank 0 reads the run directory and tells the others)."""
+        stored = torch.tensor([float(self.params_local if self.layout["dp_rank"] == 0 else 0)], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(stored)
+        found = [None]
+        if self.rank0:
+            nbytes = None
+            if resume_from is not None:
+                with contextlib.suppress(checkpoint.CheckpointError, OSError, KeyError, ValueError):
+                    nbytes = sum(f["bytes"] for f in checkpoint.read_meta(resume_from)["files"].values())
+            if nbytes is None:
+                width = torch.empty((), dtype=self.dtype).element_size()
+                nbytes = grace.checkpoint_bytes(int(stored.item()), width, self.recipe.parallel.fsdp)
+            found = [grace.estimate(nbytes, run_dir=self.run_dir, asynchronous=self.recipe.checkpoint.asynchronous)]
+        dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    def _check_grace(self, estimate: grace.SaveEstimate, *, at_start: bool = False):
+        """Tell the launcher's agent what a save on a signal needs; at start-up say what it has, and
+        warn (rank 0) where the grace is too short, again when a save measured it longer."""
+        grace.report_to_agent(estimate)
+        if not self.rank0:
+            return
+        warning = grace.check(estimate, self.grace)
+        if at_start:
+            if self.grace.by_agent:
+                has = (f"the launcher's agent waits {self.grace.seconds:.0f} s after a signal, longer where the save "
+                       f"needs it ({estimate.needed_s} s now)")
+            elif self.grace.seconds is None:
+                has = "no launcher agent: the scheduler's grace applies"
+            else:
+                has = f"torchrun SIGKILLs the ranks {self.grace.seconds:.0f} s after a signal ({self.grace.source})"
+            self.metrics.print(f"{estimate.describe()}; {has}")
+        if warning and estimate.needed_s > self._warned_need:
+            self._warned_need = math.ceil(estimate.needed_s * 1.2)  # once, unless it grows
+            print(warning, file=sys.stderr, flush=True)
+            self.metrics.record("grace_warning", step=self.step, grace_s=self.grace.seconds, **estimate.to_json())
 
     def _warn(self, line: str):
         if self.rank0:
@@ -324,6 +376,13 @@ class Trainer:
             return
         if blocking:
             report["blocked_s"] = report["total_s"]
+        self._last_checkpoint = report["path"]
+        if report.get("bytes") and report.get("total_s"):
+            self.save_estimate = grace.SaveEstimate(
+                bytes=report["bytes"], bytes_per_s=report["bytes"] / report["total_s"],
+                source=f"measured on the save of step {report['step']}", step_s=self._step_s or 0.0,
+                asynchronous=self.recipe.checkpoint.asynchronous)
+            self._check_grace(self.save_estimate)
         rate = report["bytes"] / max(report["total_s"] - (0.0 if blocking else report["blocked_s"]), 1e-9)
         fields = {k: report[k] for k in ("path", "blocked_s", "stage_s", "write_s", "publish_s", "prune_s", "total_s",
                                          "bytes", "read_back")}
@@ -345,6 +404,7 @@ class Trainer:
         stop = r.train.stop_at or r.train.steps
         if self.step >= r.train.steps:
             self.metrics.print(f"nothing to do: the checkpoint is at step {self.step} of {r.train.steps}")
+            self._stop("done")
             return
         if self.step > 0:  # resumed: the optimizer has its state already
             # The first save after a restart blocked 6.0 s instead of 1.3 s on 4x H100 (Gemma 2 2B,
@@ -353,6 +413,7 @@ class Trainer:
         try:
             while self.step < stop:
                 result = self.train_step()
+                self._step_s = result["step_time"]
                 if self.step % r.logging.interval == 0 or self.step in (1, stop):
                     result["peak_mem_per_rank"] = peak_memory_per_rank(self.device)
                     result["peak_mem_max"] = max(result["peak_mem_per_rank"])
@@ -363,10 +424,11 @@ class Trainer:
                 if not math.isfinite(result["loss"]):
                     raise FloatingPointError(f"the loss is {result['loss']} at step {self.step}")
                 self._log_saved(self.checkpointer.poll())
-                if r.checkpoint.signals and self.on_signal.agreed():
+                reason = self._stop_reason()
+                if reason is not None:
                     self.save()
                     self._log_saved(self.checkpointer.wait())
-                    self.metrics.print(f"stopped at step {self.step} on a signal, checkpoint written; start again to resume")
+                    self._stop(reason)
                     return
                 if self.step == r.train.steps or (r.eval.interval and self.step % r.eval.interval == 0):
                     self._eval_and_log()
@@ -376,8 +438,33 @@ class Trainer:
             self._log_saved(self.checkpointer.wait())
         finally:
             self.on_signal.restore()
-        if self.step < r.train.steps:
-            self.metrics.print(f"stopped at step {self.step} (train.stop_at); start again to resume")
+        self._stop("stop_at" if self.step < r.train.steps else "done")
+
+    def _stop_reason(self) -> str | None:
+        """Collective, after each step: "signal" when any rank got one of checkpoint.signals,
+        "exit_duration" when on any rank another step and a save (its estimate) would end after
+        train.exit_duration; None to go on."""
+        r = self.recipe
+        if not r.checkpoint.signals and r.train.exit_duration is None:
+            return None
+        time_up = False
+        if r.train.exit_duration is not None:
+            ahead = dataclasses.replace(self.save_estimate, step_s=self._step_s or 0.0).on_signal_s
+            time_up = time.monotonic() - self.started + ahead > r.train.exit_duration * 60
+        return self.on_signal.agreed(time_up)
+
+    def _stop(self, reason: str):
+        """Log how training ended; ``stopped`` tells the entry point (and the launcher's agent)."""
+        elapsed = time.monotonic() - self.started
+        self.stopped = {"step": self.step, "reason": reason, "checkpoint": self._last_checkpoint}
+        self.metrics.record("stop", step=self.step, reason=reason, checkpoint=self._last_checkpoint, elapsed_s=elapsed)
+        if reason == "done":
+            return
+        why = {"signal": "on a signal", "stop_at": "(train.stop_at)"}.get(reason) or (
+            f"(train.exit_duration: {self.recipe.train.exit_duration:g} min would pass before another step and its "
+            f"save; {elapsed / 60:.2f} min in)")
+        saved = "checkpoint written" if self._last_checkpoint else "no checkpoint"
+        self.metrics.print(f"stopped at step {self.step} {why}, {saved}; start again to resume")
 
     def close(self, *, failed: bool = False):
         """Tear down. After a failure a checkpoint still being written is abandoned (the other

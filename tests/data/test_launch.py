@@ -1,8 +1,11 @@
-"""The launch scripts parse, and build the torchrun commands they document (CCE_DRY_RUN=1)."""
+"""The launch scripts parse, and build the torchrun commands they document (CCE_DRY_RUN=1); under
+SLURM's signals they pass them on; the launchers' torchrun agent (cce_parallel.train.torchrun)
+exits 0 after a clean stop on a signal and gives the ranks the grace their save needs."""
 
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -21,9 +24,10 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash
 
 def launch(args, env=None, cwd=ROOT):
     full = {
-        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CCE_", "OMP_", "NCCL_", "RDZV"))
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "CCE_", "OMP_", "NCCL_", "RDZV")) and k not in ("TORCHRUN", "MASTER_ADDR", "MASTER_PORT")
     }
-    full.update({"CCE_DRY_RUN": "1"}, **(env or {}))
+    full.update({"CCE_DRY_RUN": "1", "PYTHON": "python"}, **(env or {}))
     done = subprocess.run(
         ["bash", *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=30, check=False
     )
@@ -56,8 +60,8 @@ def test_train_one_node(recipe):
     done, cmd = launch(["launch/train.sh", "4", recipe, "--set", "train.steps=3"])
     assert done.returncode == 0, done.stderr
     assert cmd == (
-        f"torchrun --standalone --nnodes 1 --nproc-per-node 4 -m cce_parallel.train --recipe {recipe} "
-        "--set train.steps=3"
+        f"python -m cce_parallel.train.torchrun --standalone --nnodes 1 --nproc-per-node 4 -m cce_parallel.train "
+        f"--recipe {recipe} --set train.steps=3"
     )
     assert "[launch] CUDA_DEVICE_MAX_CONNECTIONS=1" in done.stdout
     assert "[launch] TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in done.stdout
@@ -92,8 +96,8 @@ def test_multinode(recipe):
     )
     assert done.returncode == 0, done.stderr
     assert cmd == (
-        "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id j7 "
-        f"--max-restarts 0 -m cce_parallel.train --recipe {recipe} --set a=1"
+        "python -m cce_parallel.train.torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d "
+        f"--rdzv-endpoint node0:29500 --rdzv-id j7 --max-restarts 0 -m cce_parallel.train --recipe {recipe} --set a=1"
     )
     done, _ = launch(["launch/multinode.sh", "2", "8", "node0", recipe])
     assert done.returncode == 2 and "HOST:PORT" in done.stderr
@@ -119,11 +123,22 @@ def test_slurm(recipe, tmp_path):
     done, cmd = launch([str(copy), recipe], env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert cmd == (
-        "srun --nodes 2 --ntasks-per-node 1 --kill-on-bad-exit=1 --cpus-per-task 96 torchrun --nnodes 2 "
-        "--nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu-017:29500 --rdzv-id 4242 --max-restarts 0 "
+        "srun --nodes 2 --ntasks-per-node 1 --kill-on-bad-exit=1 --cpus-per-task 96 python -m cce_parallel.train.torchrun "
+        "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu-017:29500 --rdzv-id 4242 --max-restarts 0 "
         f"-m cce_parallel.train --recipe {recipe}"
     )
     assert "[launch] OMP_NUM_THREADS=12" in done.stdout
+
+    # One task per GPU, no torchrun: each task's shell sets its rank from SLURM's task ids.
+    done, cmd = launch([str(copy), recipe], env=dict(env, CCE_LAUNCHER="srun"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert shlex.split(cmd) == [
+        "srun", "--nodes", "2", "--ntasks-per-node", "8", "--kill-on-bad-exit=1", "--cpus-per-task", "12",
+        "bash", "-c", 'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID"; exec "$@"', "cce-task",
+        "python", "-m", "cce_parallel.train", "--recipe", recipe,
+    ]
+    done, _ = launch([str(copy), recipe], env=dict(env, CCE_LAUNCHER="mpirun"), cwd=tmp_path)
+    assert done.returncode == 2 and "CCE_LAUNCHER must be torchrun or srun" in done.stderr
 
 
 # -- slurm.sbatch under SLURM's signals ----------------------------------------------------------
@@ -153,18 +168,21 @@ if [ "$1 $2" = "show hostnames" ]; then
 fi
 """
 
-# The real torchrun agent, with the train job (-m cce_parallel.train) swapped for WORKER.
+# The launchers' torchrun agent (cce_parallel.train.torchrun), with the train job
+# (-m cce_parallel.train) swapped for WORKER.
 TORCHRUN_WRAPPER = """import sys
-from torch.distributed.run import main
+from cce_parallel.train.torchrun import main
 
 args = sys.argv[1:]
 at = args.index("-m")
-main(args[:at] + [sys.argv[0].replace("torchrun_wrapper.py", "worker.py")] + args[at + 2:])
+sys.exit(main(args[:at] + [sys.argv[0].replace("torchrun_wrapper.py", "worker.py")] + args[at + 2:]))
 """
 
-# The train job's part: on SIGUSR1 or SIGTERM it "saves" (1 s) and exits 0; it gives up after 60 s.
+# The train job's part: on SIGUSR1 or SIGTERM it "saves" (1 s), tells its agent it stopped cleanly
+# (as the train job does) and exits 0; it gives up after 60 s.
 WORKER = """import json, os, signal, sys, time
 from pathlib import Path
+from cce_parallel.train import grace
 
 out = Path(os.environ["STUB_DIR"])
 got = []
@@ -180,6 +198,7 @@ if not got:
     sys.exit(3)
 (out / "worker.signal").write_text(" ".join(got))
 time.sleep(1.0)
+grace.mark_stopped(7, "checkpoints/step_0000007", "signal")
 (out / "worker.done").touch()
 """
 
@@ -214,6 +233,7 @@ def _slurm_job(recipe, tmp_path, **env_extra):
         "SLURM_SUBMIT_DIR": str(ROOT),
         "GPUS_PER_NODE": "1",
         "MASTER_PORT": str(_free_port()),
+        "PYTHONPATH": str(ROOT),
         **env_extra,
     })
     copy = tmp_path / "slurm_script"
@@ -248,11 +268,11 @@ def _clean_up(job, tmp_path):
 
 @pytest.mark.parametrize("sig", ["USR1", "TERM"])
 def test_slurm_passes_signals_on_and_requeues_on_usr1(recipe, tmp_path, sig):
-    """The batch script under stub srun/scontrol and the real torchrun (env.sh's settings) running
-    a stand-in train job: SIGUSR1 to the batch script, as --signal=B:USR1@180 sends it, reaches
-    the worker through srun and torchrun; the script waits for the worker to finish its "save",
-    then calls `scontrol requeue <job id>` and exits 0. SIGTERM is passed on the same way, without
-    a requeue."""
+    """The batch script under stub srun/scontrol and the real torchrun agent (the launchers' own,
+    env.sh's settings) running a stand-in train job: SIGUSR1 to the batch script, as
+    --signal=B:USR1@180 sends it, reaches the worker through srun and torchrun; the script waits for
+    the worker to finish its "save", then calls `scontrol requeue <job id>` and exits 0. SIGTERM is
+    passed on the same way, without a requeue, and the script exits 0: the worker stopped cleanly."""
     job, log = _slurm_job(recipe, tmp_path)
     try:
         _wait_for(tmp_path / "worker.ready", job, log)
@@ -274,11 +294,72 @@ def test_slurm_passes_signals_on_and_requeues_on_usr1(recipe, tmp_path, sig):
     assert "[launch] TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300" in output.splitlines()
     scontrol = (tmp_path / "scontrol.args").read_text().splitlines()
     assert scontrol[0] == "show hostnames localhost (worker finished: no)"
+    assert f"[cce torchrun] SIG{sig}: every rank here (1) saved step 7" in output, output
+    assert job.returncode == 0, output
     if sig == "USR1":
         assert scontrol[1:] == ["requeue 4242 (worker finished: yes)"], output
-        assert job.returncode == 0, output
     else:
         assert scontrol[1:] == [], output
+
+
+# A rank under the launchers' agent (python -m cce_parallel.train.torchrun), as the train job
+# behaves: at start-up it tells the agent that a save on a signal takes about 3 s; on SIGTERM it
+# "saves" for SAVE_S seconds, then (STUB_MODE=saves) leaves the marker of a clean stop, and exits 0.
+AGENT_WORKER = """import os, signal, sys, time
+from pathlib import Path
+from cce_parallel.train import grace
+
+out = Path(os.environ["STUB_DIR"])
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+grace.report_to_agent(grace.SaveEstimate(bytes=3_000_000, bytes_per_s=1e6, source="the test", asynchronous=False))
+(out / f"ready.{os.environ['RANK']}").touch()
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.02)
+if not got:
+    sys.exit(3)
+time.sleep(float(os.environ["SAVE_S"]))
+if os.environ["STUB_MODE"] == "saves":
+    grace.mark_stopped(5, "checkpoints/step_0000005", "signal")
+(out / f"done.{os.environ['RANK']}").touch()
+"""
+
+
+@pytest.mark.parametrize("mode", ["saves", "no-marker"])
+def test_agent_exit_status_and_grace_after_a_signal(tmp_path, mode):
+    """The launchers' agent under SIGTERM to its process group (a scheduler's stop), with a 1 s
+    shutdown timeout: it waits for its 2 ranks as long as their estimate says (3 s save: 15 s with
+    the margin), not 1 s, so a 2.5 s save finishes; it exits 0 when both left the marker of a
+    clean stop, else 128 + 15 (torchrun itself exits 1 either way)."""
+    (tmp_path / "worker.py").write_text(AGENT_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TORCH_ELASTIC_", "CCE_"))}
+    env.update(PYTHONPATH=str(ROOT), STUB_DIR=str(tmp_path), STUB_MODE=mode, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1",
+               SAVE_S="2.5" if mode == "saves" else "0")
+    agent = subprocess.Popen([sys.executable, "-m", "cce_parallel.train.torchrun", "--standalone", "--nproc-per-node=2",
+                              str(tmp_path / "worker.py")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[0][-3000:]
+            time.sleep(0.05)
+        os.killpg(agent.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        output = agent.communicate(timeout=60)[0]
+        after_signal = time.monotonic() - signalled
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert (tmp_path / "done.0").exists() and (tmp_path / "done.1").exists(), output[-3000:]
+    if mode == "saves":
+        assert agent.returncode == 0, output[-3000:]
+        assert after_signal > 2.5  # the save outlasted the 1 s timeout
+        assert "[cce torchrun] SIGTERM: giving the workers up to 15 s to save and stop" in output, output[-3000:]
+        assert "[cce torchrun] SIGTERM: every rank here (2) saved step 5 (checkpoints/step_0000005)" in output
+    else:
+        assert agent.returncode == 128 + signal.SIGTERM, output[-3000:]
+        assert "[cce torchrun] SIGTERM: none of the ranks here stopped after a published checkpoint; exit 143" in output
 
 
 def test_env_defaults_are_what_torchrun_reads():

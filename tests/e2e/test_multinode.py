@@ -175,3 +175,116 @@ def test_two_nodes_kill_and_resume_match_one_node(tiny_reference, tiny_data, tmp
         assert record["lr"] == reference["train"][step]["lr"], step
     print(f"two nodes: first start {first_seconds:.1f} s (killed after step {killed_at}), "
           f"second {second_seconds:.1f} s")
+
+
+# -- launch/slurm.sbatch with CCE_LAUNCHER=srun: one task per GPU, no torchrun ---------------------
+
+# srun: starts --nodes x --ntasks-per-node copies of its command on this host, each with the task
+# variables SLURM gives a task (SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS), passes
+# SIGTERM and SIGUSR1 on to them as srun does, and exits with the first nonzero status.
+SRUN_TASKS = """import os, signal, subprocess, sys
+
+args, opts = sys.argv[1:], {}
+while args and args[0].startswith("--"):
+    if "=" in args[0]:
+        key, value = args[0][2:].split("=", 1)
+        args = args[1:]
+    else:
+        key, value, args = args[0][2:], args[1], args[2:]
+    opts[key] = value
+with open(os.path.join(os.environ["STUB_DIR"], "srun.args"), "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\\n")
+nodes, per_node = int(opts["nodes"]), int(opts["ntasks-per-node"])
+tasks = []
+for node in range(nodes):
+    for local in range(per_node):
+        env = dict(os.environ, SLURM_PROCID=str(node * per_node + local), SLURM_LOCALID=str(local),
+                   SLURM_NODEID=str(node), SLURM_NTASKS=str(nodes * per_node))
+        tasks.append(subprocess.Popen(args, env=env))
+
+
+def forward(signum, frame):
+    for task in tasks:
+        if task.poll() is None:
+            task.send_signal(signum)
+
+
+signal.signal(signal.SIGTERM, forward)
+signal.signal(signal.SIGUSR1, forward)
+codes = [task.wait() for task in tasks]
+sys.exit(next((code for code in codes if code), 0))
+"""
+
+SCONTROL = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$STUB_DIR/scontrol.args"
+if [ "$1 $2" = "show hostnames" ]; then echo localhost; fi
+"""
+
+
+def test_slurm_srun_tasks_two_nodes_usr1_requeue_and_resume_match_torchrun(tiny_reference, tiny_data, tmp_path):
+    """launch/slurm.sbatch with CCE_LAUNCHER=srun on 2 "nodes" of 1 GPU each (a stand-in srun that
+    starts the tasks on this host with SLURM's task variables; the tiny recipe's TP=2 spans both):
+    no torchrun, each task is a rank. SIGUSR1 to the batch script after the step-3 checkpoint, as
+    --signal=B:USR1@180 sends it: srun passes it to both ranks, which save the next step and exit
+    0; the script requeues the job and exits 0. The requeued job (the same script again) resumes
+    from that checkpoint and stops at step 8. Every loss of both starts is bitwise torchrun's."""
+    from cce_parallel.train.metrics import read_metrics
+
+    _, reference, _ = tiny_reference
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text(f"#!{sys.executable}\n{SRUN_TASKS}")
+    (stubs / "scontrol").write_text(SCONTROL)
+    for stub in ("srun", "scontrol"):
+        (stubs / stub).chmod(0o755)
+    run_dir = tmp_path / "srun-tasks"
+    overrides = base_overrides(tmp_path, tiny_data, "srun-tasks") + [
+        f"train.stop_at={STOP_AT}", f"checkpoint.interval={INTERVAL}", "eval.iters=1",
+    ]
+    env = _node_env("unused")
+    for name in ("TORCHRUN", "RDZV_ID", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    env.update(PATH=os.pathsep.join([str(stubs), str(Path(sys.executable).parent), env["PATH"]]), STUB_DIR=str(tmp_path),
+               CCE_LAUNCHER="srun", SLURM_NNODES=str(NODES), SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4243",
+               SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="1", MASTER_PORT=str(_free_port()))
+    command = ["bash", "launch/slurm.sbatch", "recipes/tiny.yaml", "--set", *overrides]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    jobs = []
+    try:
+        with open(logs / "first.log", "w") as log:
+            jobs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True))
+        if wait_for_checkpoint_and_step(run_dir, INTERVAL + 1, jobs, timeout=300) is None:
+            pytest.fail(f"the srun job never got past step {INTERVAL + 1}:\n{_logs(logs)}")
+        os.kill(jobs[0].pid, signal.SIGUSR1)  # to the batch script, as --signal=B:USR1@180
+        jobs[0].wait(timeout=120)
+        assert jobs[0].returncode == 0, _logs(logs)
+        first = (logs / "first.log").read_text()
+        stopped = [line for line in first.splitlines() if "on a signal, checkpoint written" in line]
+        assert stopped, _logs(logs)
+        step = int(stopped[0].split("stopped at step ")[1].split()[0])
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:07d}"
+        assert (tmp_path / "scontrol.args").read_text().splitlines() == ["show hostnames localhost", "requeue 4243"]
+
+        with open(logs / "second.log", "w") as log:
+            jobs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True))
+        jobs[1].wait(timeout=300)
+        assert jobs[1].returncode == 0, _logs(logs)
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                _kill_all([job], _descendants(job.pid))
+    srun = (tmp_path / "srun.args").read_text().splitlines()
+    assert len(srun) == 2 and srun[0].startswith("--nodes 2 --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "), srun
+    assert "torch.distributed.run" not in "".join(srun) and "cce_parallel.train.torchrun" not in "".join(srun)
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert list(metrics["resume"]) == [step]
+    for meta in metrics["meta"]:
+        assert (meta["layout"]["world"], meta["layout"]["tp"], meta["layout"]["dp"]) == (2, 2, 1)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trained = [r for r in records if r.get("kind") == "train"]
+    assert sorted({r["step"] for r in trained}) == list(range(1, STOP_AT + 1))
+    for record in trained:
+        assert record["loss"] == reference["train"][record["step"]]["loss"], record["step"]  # bitwise

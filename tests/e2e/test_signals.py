@@ -2,6 +2,9 @@
 
 - SIGTERM to one rank at some step: all ranks save after the next step and exit 0, and a restart
   continues bitwise as the uninterrupted run;
+- SIGTERM to the process group of ``python -m cce_parallel.train``, as a scheduler sends it: the
+  checkpoint, and the command exits 0 (torchrun's own agent would exit 1);
+- train.exit_duration: the run stops with a checkpoint before its wall-clock budget ends, exit 0;
 - a kill while a checkpoint is still being written leaves the one before as the newest valid one;
 - the signal deadline and a second signal exit at once.
 """
@@ -101,6 +104,59 @@ def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, 
     metrics = read_metrics(run_dir / "metrics.jsonl")
     steps = range(step + 1, step + 5)
     assert _losses(metrics, steps) == _losses(reference, steps)  # bitwise
+
+
+def test_sigterm_to_the_process_group_of_a_plain_start_exits_0(tiny_data, runs_dir):
+    """`python -m cce_parallel.train` (which re-launches itself under the job's torchrun agent) and
+    SIGTERM to its process group after step 3, as a scheduler stops a job: the agent passes it on,
+    every rank saves the next step, and the command exits 0 (cce_parallel.train.torchrun's
+    EXIT_STOPPED; a bare torchrun raises its SignalException and exits 1)."""
+    from cce_parallel.train.checkpoint import verify
+    from cce_parallel.train.torchrun import EXIT_STOPPED
+
+    run_dir = runs_dir / "sigterm-group"
+    overrides = base_overrides(runs_dir, tiny_data, "sigterm-group") + ["checkpoint.interval=0"]
+    proc = _start(train_command(overrides, nproc=None))
+    try:
+        _wait_for(proc, lambda: _last_step(run_dir) >= 3)
+        os.killpg(proc.pid, signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        _kill_all(proc)
+    assert proc.returncode == EXIT_STOPPED == 0, output[-4000:]
+    assert "not under torchrun: this recipe needs 2 processes" in output
+    stopped = [line for line in output.splitlines() if "on a signal, checkpoint written" in line]
+    assert stopped, output[-4000:]
+    step = int(stopped[0].split("stopped at step ")[1].split()[0])
+    assert f"[cce torchrun] SIGTERM: every rank here (2) saved step {step} " in output, output[-4000:]
+    assert output.count("received SIGTERM") == 2  # each rank once, from the agent
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:07d}"
+    assert verify(run_dir / "checkpoints" / f"step_{step:07d}")["step"] == step
+
+
+def test_exit_duration_stops_with_a_checkpoint_before_the_budget(tiny_data, runs_dir):
+    """train.exit_duration=0.4 (24 s from each rank's start, start-up included): the ranks stop
+    together after the last step that leaves time for another step and a save, with a checkpoint
+    of it, before the budget ends, and exit 0."""
+    from cce_parallel.train.checkpoint import verify
+    from cce_parallel.train.metrics import read_metrics
+
+    run_dir = runs_dir / "exit-duration"
+    overrides = base_overrides(runs_dir, tiny_data, "exit-duration") + ["checkpoint.interval=0", "eval.interval=0",
+                                                                          "train.exit_duration=0.4"]
+    done = run_train(overrides)
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    (stop,) = metrics["stop"].values()
+    assert stop["reason"] == "exit_duration"
+    step = stop["step"]
+    assert 1 <= step < 50 and max(metrics["train"]) == step
+    assert f"stopped at step {step} (train.exit_duration: 0.4 min would pass before another step" in done.stdout
+    # Before the budget, and not long before it (another step and a save take 1-2 s here): the check
+    # is against the last step's time and the save's estimate, hence the tolerances. Step 1 only
+    # where start-up alone took the budget (a heavily loaded machine).
+    assert step == 1 or 24 - 10 < stop["elapsed_s"] < 24 + 3, stop
+    assert verify(Path(stop["checkpoint"]))["step"] == step
+    print(f"exit_duration: stopped at step {step}, {stop['elapsed_s']:.1f} s in ({done.seconds:.1f} s in all)")
 
 
 SLOW_PUBLISH = """
