@@ -2,26 +2,12 @@
 are what UPSTREAMS says, each method owns its LinearCrossEntropy, and a run records the paths taken."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
 IMPL = "cce_kahan_full_c"
-
-
-@pytest.fixture
-def bench_loss():
-    """benchmarks/bench_loss.py as a module."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_loss
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return bench_loss
 
 
 def expected(pattern: str, per_token: torch.Tensor) -> torch.Tensor:

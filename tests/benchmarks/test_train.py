@@ -2,23 +2,10 @@
 the report names each impl's largest point and the first impl's ratio over it."""
 
 import json
-import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def train():
-    """benchmarks/train.py as a module."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return train
 
 
 def test_sweep_stops_at_the_first_failure_and_reports_the_largest(train, tmp_path, monkeypatch):
