@@ -100,6 +100,7 @@ class Case:
     # sides of the fused GEMM's reference boundary at 44.4 nats, between tiles and between ranks.
     straddle: bool = False
     weights: str = ""  # per-token weights given in the forward: "signed" (RL advantages) or "mask" (0 / 1)
+    deferred: bool = False  # as for a loss whose state saw weights only in a backward: dC made in the backward
     options: tuple = ()  # (key, value) pairs of linear_cross_entropy options
 
     @property
@@ -236,6 +237,16 @@ CASES = {
             weights="mask",
             options=(("softcap", 20.0), ("reduction", "none"), ("logits_budget", 3 * 4 * V_ODD)),
         ),
+        # Random per-token weights only in the backward, for a loss whose state has seen such
+        # weights: dE made in the forward, dC and dbias in one more pass (with its all-reduces) in
+        # the backward.
+        Case(
+            "deferred-weighted",
+            bias=True,
+            ignore_frac=0.2,
+            deferred=True,
+            options=(("label_smoothing", 0.1), ("reduction", "none"), ("logits_budget", 3 * 4 * V_ODD)),
+        ),
         Case(
             "sp-2d-e",  # e [s, D] rather than [s, b, D]
             sp_lead=(12,),
@@ -244,7 +255,7 @@ CASES = {
         ),
     ]
 }
-WEIGHTS = ("weights-signed-mean", "weights-mask-none")
+WEIGHTS = ("weights-signed-mean", "weights-mask-none", "deferred-weighted")
 CORE = tuple(name for name in CASES if name not in ("sp-2d-e", "straddle", "masked-unfolded") + WEIGHTS)
 
 # impl "torch" (cheap) over the full option grid, as in test_numerics_cpu.test_torch_impl_full_grid.
@@ -472,9 +483,9 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
             # A mask not folded: as for a loss whose state has seen one (the first call's recompute
             # is the device's), so that the correction on the masked rows runs, on every rank alike.
             call = fn
-            if case.masked:
+            if case.masked or case.deferred:
                 state = cce_parallel.UpstreamState()
-                state.masked_weights_seen = True
+                state.masked_weights_seen, state.per_token_weights_seen = bool(case.masked), case.deferred
                 call = functools.partial(fn, state=state)
             expected = expected_shard(ref, layout, rank, world, rows)
             for name, impl in checks:
@@ -482,11 +493,14 @@ def _numerics_worker(rank, world, report, layout_names, device_type, impls):
                 options = dict(opts, impl=impl)
                 out, errs, fail = None, {}, None
                 try:
+                    deferred = state.paths["deferred"] if case.deferred else 0
                     out = run(call, local, options, grad_loss, grad_lse)
                     check_meta(out, local, options)
                     errs = shard_errors(out, expected, ref)
                     tol = fp32_tol(impl, options)
                     fail = too_large(errs, tol, "float64 oracle")
+                    if case.deferred and impl != "torch" and state.paths["deferred"] != deferred + 1:
+                        fail = fail or f"the backward did not defer dC (paths {dict(state.paths)})"
                 except Exception as exc:  # noqa: BLE001 - reported to the parent
                     out, fail = None, _describe(exc)
                 all_ran, disagree = _ranks_agree(out, layout.sequence_parallel, group)
