@@ -47,7 +47,9 @@ def forward_step(data_iterator, model, fold_mask: bool = False):
         # so the upstream gradient is one number over the kept tokens and the one-pass loss only
         # scales the gradients it computed in the forward (cce_parallel.megatron.mask_labels).
         labels = mask_labels(labels, batch["loss_mask"])
-    loss = model(batch["tokens"], batch["position_ids"], None, labels=labels)  # [b, s] fp32
+    # loss_mask reaches the model for multi-token prediction, whose depths roll and apply it
+    # themselves (megatron-core's GPTModel reads it for nothing else).
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=labels, loss_mask=batch["loss_mask"])
     return loss, functools.partial(loss_func, batch["loss_mask"], folded=fold_mask)
 
 
