@@ -1075,3 +1075,104 @@ def test_gpu_bf16_real_shape(world):
     if lines or not outcome.ok:
         msg = "\n".join(lines) + ("" if outcome.ok else "\n" + outcome.describe())
         pytest.fail(msg, pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: every calling pattern in bf16 at TP 2 (uneven shards, with and without SP) against the
+# float64 oracle, no worse than plain bf16 PyTorch on the same inputs.
+
+PATTERN_SHAPE = (4096, 50257, 2048)  # N, V (odd: shards of 25,129 and 25,128 rows), D
+PATTERN_RANGES = ((0, 25129), (25129, 50257))
+# name: (weights given in the forward, reduction, upstream of a per-token loss, state flag, path run)
+PATTERNS = {
+    "weights-signed": ("signed", "mean", None, None, None),
+    "weights-mask": ("mask", "mean", None, None, None),
+    "unfolded-mask": (None, "none", "masked", "masked_weights_seen", "mask_corrected"),
+    "backward-weights": (None, "none", "random", "per_token_weights_seen", "deferred"),
+}
+
+
+def _pattern_worker(rank, world, report, device_type="cuda", shape=PATTERN_SHAPE, ranges=PATTERN_RANGES):
+    """device_type "cpu" with a small shape and ranges: a dry run of this test's plumbing."""
+    from tests.ops.test_gpu import worse_than_plain
+    from tests.oracle import plain_torch
+
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    group = dist.group.WORLD
+    n, vocab, dim = shape
+    for sequence_parallel in (False, True):
+        layout = Layout("patterns", vocab, ranges, sequence_parallel)
+        lead = (n // 2, 2) if sequence_parallel else (n,)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter: fp32 only
+        inputs = peaked_inputs(lead, vocab, dim, dtype=dtype, device=device, n_head=min(256, vocab // 16),
+                               n_mid=min(4096, vocab // 4), boost=7.0, n_rare=max(n // 64, 1))
+        local, rows = local_view(inputs, layout, rank, world)
+        targets = inputs["targets"]
+        g = torch.Generator(device=device).manual_seed(11)
+        for pattern, (kind, reduction, grad_kind, flag, path) in PATTERNS.items():
+            name = f"{pattern}{'-sp' if sequence_parallel else ''}"
+            report.started(name)
+            opts = {"reduction": reduction}
+            if kind == "signed":
+                opts["weights"] = torch.randn(targets.shape, generator=g, device=device)
+            elif kind == "mask":
+                opts["weights"] = (torch.rand(targets.shape, generator=g, device=device) >= 0.1).float()
+            grad_loss = torch.randn((), generator=g, device=device)
+            if grad_kind == "masked":  # Megatron's loss_mask / count, the mask not folded
+                keep = (torch.rand(targets.shape, generator=g, device=device) >= 0.1).float()
+                grad_loss = keep / keep.sum()
+            elif grad_kind == "random":
+                grad_loss = torch.randn(targets.shape, generator=g, device=device) / targets.numel()
+            ref = oracle(**inputs, grad_loss=grad_loss, chunk_size=2**26 // vocab, **opts)
+            plain = plain_torch(**inputs, grad_loss=grad_loss, **opts)
+            expected = expected_shard(ref, layout, rank, world, rows)
+            plain_errs = shard_errors(expected_shard(plain, layout, rank, world, rows), expected, ref)
+            del plain
+            state = cce_parallel.UpstreamState()
+            if flag:
+                setattr(state, flag, True)
+            call = functools.partial(tp_call(group, layout, rank), state=state)
+            out, errs, fail = None, {}, None
+            try:
+                out = run(call, local, dict(opts, impl="cce_kahan_full_c"), grad_loss)
+                errs = shard_errors(out, expected, ref)
+                bad = worse_than_plain(errs, plain_errs)
+                if bad:
+                    fail = f"worse than plain bf16 PyTorch: {bad} vs {plain_errs}"
+                ran = dict(state.paths)
+                if path and ran.get(path) != 1:
+                    fail = fail or f"path {path!r} did not run once: {ran}"
+                if not path and any(ran.get(k) for k in ("recomputed", "mask_corrected", "deferred", "lean")):
+                    fail = fail or f"weights in the forward took a second pass: {ran}"
+            except Exception as exc:  # noqa: BLE001
+                out, fail = None, _describe(exc)
+            _, disagree = _ranks_agree(out, sequence_parallel, group)
+            if disagree and fail is None:
+                fail = "ranks disagree: " + disagree
+            report.result(name, {"fail": fail, "errs": errs, "plain": plain_errs})
+            del out, ref, expected
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_calling_patterns_bf16_tp2():
+    """Weights in the forward (signed, and a 10 % mask), an unfolded mask and weights only in the
+    backward, bf16 at N=4096, V=50257 (uneven shards), D=2048 over 2 GPUs with and without SP: the
+    loss and gradients against the fp64 oracle are no worse than plain bf16 PyTorch's (5 % slack),
+    and each call takes its own path (state.paths)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    outcome = spawn(_pattern_worker, 2, backend="nccl", timeout=900.0, collective_timeout=300.0)
+    names = [f"{p}{sp}" for sp in ("", "-sp") for p in PATTERNS]
+    merged = outcome.merged()
+    print(f"\n[TP 2] bf16 calling patterns, error vs fp64 (plain bf16 PyTorch) ({outcome.seconds:.0f} s)")
+    for name in names:
+        for rank, value in sorted(merged.get(name, {}).items()):
+            shown = ", ".join(f"{k}={v:.2e} ({value['plain'].get(k, float('nan')):.2e})"
+                              for k, v in value["errs"].items())
+            print(f"  {name:22s} rank {rank}: {shown}")
+    lines = summarize_failures(outcome, names)
+    if lines or not outcome.ok:
+        msg = "\n".join(lines) + ("" if outcome.ok else "\n" + outcome.describe())
+        pytest.fail(msg, pytrace=False)
