@@ -21,7 +21,8 @@ from cce_parallel.config import (
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-SHIPPED = {"tiny", "gpt2-small-owt", "llama-1b-owt", "gemma-2b-owt"}
+SHIPPED = {"tiny", "gpt2-small-owt", "llama-1b-owt", "gemma-2b-owt", "llama3-8b-owt"}
+WORLD = {"llama3-8b-owt": 8}  # test_dry_run's world size where its layout needs more than 4 ranks
 
 
 def test_shipped_recipes_exist():
@@ -46,7 +47,8 @@ def test_tiny_is_the_default():
 
 
 def test_owt_recipes_use_the_paper_pretraining_mode():
-    for name, vocab in (("gpt2-small-owt", 50257), ("llama-1b-owt", 128256), ("gemma-2b-owt", 256000)):
+    for name, vocab in (("gpt2-small-owt", 50257), ("llama-1b-owt", 128256), ("gemma-2b-owt", 256000),
+                        ("llama3-8b-owt", 128256)):
         recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
         assert recipe.loss.impl == "cce_kahan_full_c"
         assert recipe.model.vocab_size == vocab
@@ -65,6 +67,34 @@ def test_llama_recipe_is_llama_3_2_1b():
     assert (m.activation, m.normalization, m.layernorm_epsilon, m.position_embedding, m.rotary_base,
             m.rope_scaling_factor) == ("swiglu", "RMSNorm", 1e-5, "rope", 500000, 32.0)
     assert m.tie_embeddings and not m.scale_embeddings and not m.add_bias_linear
+
+
+def test_llama3_8b_recipe_is_llama_3_1_8b():
+    """Llama 3.1 8B's config.json: sizes, RoPE (θ 500,000, llama3 scaling with factor 8 over an
+    original 8,192 positions, low/high frequency factors 1 and 4), RMSNorm, SwiGLU, no biases,
+    untied; the vocabulary needs no padding at TP 8 (or TP 4)."""
+    from cce_parallel.hf.convert import architecture, hf_config
+    from cce_parallel.train.model import model_vocab_size
+
+    recipe = load_recipe(ROOT / "recipes" / "llama3-8b-owt.yaml")
+    m = recipe.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim, m.ffn_size) == (
+        32, 4096, 32, 8, 128, 14336)
+    assert (m.activation, m.normalization, m.layernorm_epsilon, m.position_embedding, m.rotary_base,
+            m.rope_scaling_factor) == ("swiglu", "RMSNorm", 1e-5, "rope", 500000, 8.0)
+    assert not m.tie_embeddings and not m.scale_embeddings and not m.add_bias_linear and not m.gemma2_options
+    assert (m.vocab_size, m.seq_length, recipe.loss.impl, recipe.parallel.tensor) == (
+        128256, 8192, "cce_kahan_full_c", 8)
+    assert recipe.data.tokenizer == "hf:meta-llama/Llama-3.1-8B"
+    config = hf_config(recipe, m.vocab_size)
+    assert architecture(recipe) == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}
+    assert (config["max_position_embeddings"], config["tie_word_embeddings"]) == (131072, False)
+    for tp in (8, 4):
+        padded = load_recipe(ROOT / "recipes" / "llama3-8b-owt.yaml", [f"parallel.tensor={tp}"])
+        assert model_vocab_size(padded, 128256) == 128256
 
 
 def test_gemma_recipe_is_gemma_2_2b():
@@ -108,15 +138,38 @@ def test_dry_run(path):
     from cce_parallel.train.estimate import dry_run
 
     recipe = load_recipe(path)
-    report = dry_run(recipe, world_size=4, quiet=True)
+    world = WORLD.get(path.stem, 4)
+    report = dry_run(recipe, world_size=world, quiet=True)
     expected = {"tiny": (0.1e6, 0.3e6), "gpt2-small-owt": (124e6, 125e6), "llama-1b-owt": (1.2e9, 1.3e9),
-                "gemma-2b-owt": (2.61e9, 2.62e9)}.get(path.stem)
+                "gemma-2b-owt": (2.61e9, 2.62e9), "llama3-8b-owt": (8.02e9, 8.04e9)}.get(path.stem)
     if expected:
         assert expected[0] <= report["params_total"] <= expected[1], report["params_total"]
-    assert report["world"] == report["tp"] * report["pp"] * report["dp"] == 4
+    assert report["world"] == report["tp"] * report["pp"] * report["dp"] == world
     last = report["memory"][-1]
     assert last["loss_cce"] < last["loss_megatron"]
-    assert report["vocab"] % (128 * report["tp"]) == 0
+    assert report["vocab"] % (recipe.model.make_vocab_size_divisible_by * report["tp"]) == 0
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.tensor=4", "parallel.pipeline=2"]], ids=["tp8", "tp4-pp2"])
+def test_llama3_8b_dry_run_on_eight_gpus(layout):
+    """The Llama 3.1 8B recipe on one node of 8 GPUs, at TP 8 and at TP 4 x PP 2 (the header's
+    --set line): 8.03B parameters (Meta's count), each rank about an eighth of them, and every
+    rank's estimate within an H200 (141 GB) with room to spare; CCE's loss layer below megatron's."""
+    from cce_parallel.train.estimate import dry_run
+
+    report = dry_run(load_recipe(ROOT / "recipes" / "llama3-8b-owt.yaml", layout), world_size=8, quiet=True)
+    tp, pp = (4, 2) if layout else (8, 1)
+    assert (report["tp"], report["pp"], report["dp"], report["vocab"]) == (tp, pp, 1, 128256)
+    assert 8.02e9 <= report["params_total"] <= 8.04e9, report["params_total"]
+    assert len(report["stages"]) == pp and sum(s["layers"] for s in report["stages"]) == 32
+    for stage in report["stages"]:  # embedding and output layer on different stages at PP 2
+        assert abs(stage["params_local"] - 8.03e9 / 8) < 0.01e9, stage
+    assert [s["output_layer"] for s in report["stages"]][-1] == "CCEOutputLayer"
+    last = report["memory"][-1]
+    assert last["loss_cce"] < last["loss_megatron"]
+    for stage in report["memory"]:  # H200s peaked at 1.4x the estimate on the Llama 3.2 1B recipe
+        assert stage["total_megatron"] < 0.5 * 141e9, stage
+    assert abs(report["save"]["bytes"] - 14 * 8.03e9) < 0.01 * 14 * 8.03e9  # bf16 weights + fp32 Adam state
 
 
 def test_dry_run_with_pipeline_and_megatron_loss():
