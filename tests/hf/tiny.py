@@ -36,11 +36,16 @@ def recipe(arch: str, **kwargs):
 def hf_model(arch: str, *, seed: int = 0, **model):
     """A random transformers model of the family (fp32, eval mode, eager attention), its weights
     jittered so that every norm and bias differs from its initial value."""
+    return hf_model_of(recipe(arch, **model), seed=seed)
+
+
+def hf_model_of(recipe, *, seed: int = 0):
+    """hf_model for any recipe whose model has VOCAB rows (e.g. a shipped recipe, shrunk)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from cce_parallel.hf.convert import hf_config
 
-    fields = hf_config(recipe(arch, **model), VOCAB)
+    fields = hf_config(recipe, VOCAB)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -50,9 +55,9 @@ def hf_model(arch: str, *, seed: int = 0, **model):
     return model.eval()
 
 
-def batch(seed: int = 1, b: int = 2):
+def batch(seed: int = 1, b: int = 2, seq: int = SEQ):
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (b, SEQ + 1), generator=g)
+    tokens = torch.randint(0, VOCAB, (b, seq + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
