@@ -45,7 +45,8 @@ class TrainConfig(Section):
     SECTION = "train"
 
     steps: int = 50
-    """Optimizer steps of the whole run (the learning-rate schedule spans them)."""
+    """Optimizer steps of the whole run (the learning-rate schedule spans them unless
+    optim.decay_steps is set)."""
     micro_batch_size: int = 4
     """Samples per forward/backward on each data-parallel rank."""
     global_batch_size: int = 8
@@ -94,7 +95,9 @@ class OptimConfig(Section):
     warmup_steps: int = 4
     """Linear warmup from 0 to lr."""
     decay_steps: int | None = None
-    """Steps of warmup + decay; None: train.steps."""
+    """Steps of warmup + decay (Megatron-LM's --lr-decay-iters); past them the rate stays at
+    min_lr. None: train.steps. Set it to the old train.steps to extend a finished run without
+    starting its decay over (docs/training.md, "Extending a run")."""
     weight_decay: float = 0.1
     """Decoupled weight decay (not on biases and norm weights, as Megatron does)."""
     beta1: float = 0.9

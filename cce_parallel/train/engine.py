@@ -19,6 +19,7 @@ the optimizers then hold DTensor shards of the parameters and their states. With
 ``parallel.fsdp: megatron`` (CUDA) the model goes into Megatron-FSDP instead (``megatron_fsdp``).
 """
 
+import copy
 import dataclasses
 import importlib.util
 from collections.abc import Callable
@@ -79,11 +80,71 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, config, *, device: str,
         wd_incr_steps=recipe.train.steps,
         wd_incr_style="constant",
         # On resume the recipe's schedule wins over the checkpoint's (e.g. a run extended with
-        # more train.steps); the checkpoint supplies the step count.
+        # more train.steps); the checkpoint supplies the step count. Where the two differ the
+        # trainer says so (schedule_change).
         override_opt_param_scheduler=True,
         use_checkpoint_opt_param_scheduler=False,
     )
     return Engine(chunks, optimizer, scheduler, forward_backward, kind)
+
+
+# The scheduler's fields that shape the learning rate (its state dict's names), and the recipe keys
+# that set them (build_engine).
+SCHEDULE_KEYS = {"max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_warmup_steps": "optim.warmup_steps",
+                 "lr_decay_steps": "optim.decay_steps", "lr_decay_style": "optim.schedule"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleChange:
+    """A resumed run whose learning-rate schedule is not the one its checkpoint was trained with."""
+
+    step: int
+    """The first step of the resumed run."""
+    changed: dict
+    """{recipe key: (the checkpoint's value, the recipe's)} of the keys that differ."""
+    lr_checkpoint: float
+    """The learning rate of ``step`` under the checkpoint's schedule."""
+    lr_recipe: float
+    """... and under the recipe's, which the run uses."""
+    decay_follows_steps: bool
+    """optim.decay_steps is unset: the decay spans train.steps."""
+
+    @property
+    def fix(self) -> str:
+        """The overrides that give the checkpoint's schedule back."""
+        return "--set " + " ".join(f"{key}={old}" for key, (old, _) in self.changed.items())
+
+    def describe(self) -> str:
+        changes = []
+        for key, (old, new) in self.changed.items():
+            follows = " (unset: it follows train.steps)" if key == "optim.decay_steps" and self.decay_follows_steps else ""
+            changes.append(f"{key} {old} -> {new}{follows}")
+        return (f"the learning-rate schedule differs from the one the checkpoint was trained with: {', '.join(changes)}. "
+                f"Step {self.step} trains at lr {self.lr_recipe:.3e} under the recipe's schedule (used), "
+                f"{self.lr_checkpoint:.3e} under the checkpoint's; to keep the checkpoint's: {self.fix}")
+
+    def to_json(self) -> dict:
+        return {"changed": {k: list(v) for k, v in self.changed.items()}, "lr_checkpoint": self.lr_checkpoint,
+                "lr_recipe": self.lr_recipe, "fix": self.fix}
+
+
+def schedule_change(saved: dict, scheduler: OptimizerParamScheduler, recipe: Recipe) -> ScheduleChange | None:
+    """Compare the scheduler state a checkpoint saved with the scheduler built from the recipe and
+    restored from it (at the checkpoint's step): None where the learning rates agree in shape."""
+    changed = {key: (saved[field], getattr(scheduler, field))
+               for field, key in SCHEDULE_KEYS.items() if field in saved and saved[field] != getattr(scheduler, field)}
+    if saved.get("lr_decay_style") == scheduler.lr_decay_style == "constant":  # no decay: nothing to span
+        changed = {k: v for k, v in changed.items() if k not in ("optim.decay_steps", "optim.min_lr")}
+    if not changed:
+        return None
+    step = scheduler.num_steps + 1
+    old, new = copy.copy(scheduler), copy.copy(scheduler)  # get_lr reads these fields only
+    for field in SCHEDULE_KEYS:
+        if field in saved:
+            setattr(old, field, saved[field])
+    old.num_steps = new.num_steps = step
+    return ScheduleChange(step=step, changed=changed, lr_checkpoint=old.get_lr({}), lr_recipe=new.get_lr({}),
+                          decay_follows_steps=recipe.optim.decay_steps is None)
 
 
 def _megatron(recipe: Recipe, model, config, dtype):

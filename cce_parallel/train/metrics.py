@@ -18,6 +18,11 @@ Records of ``metrics.jsonl`` (one JSON object per line; rank 0 writes):
                                                   reading them (the rest were hashed as written)
     {"kind": "resume", "step", "path", "verify_s", "load_s"}
                                                   a start that continued from a checkpoint
+    {"kind": "schedule_change", "step", "changed", "lr_checkpoint", "lr_recipe", "fix"}
+                                                  ... whose recipe gives another learning-rate
+                                                  schedule than the checkpoint's: changed {recipe
+                                                  key: [checkpoint's, recipe's]}, the next step's
+                                                  lr under each, the overrides that keep the old
     {"kind": "stop", "step", "reason", "checkpoint", "elapsed_s"}
                                                   how training ended: reason "signal",
                                                   "exit_duration", "stop_at" or "done"; the newest
@@ -142,7 +147,7 @@ def read_metrics(path) -> dict:
     """{"meta": [...], "train": {step: record}, "eval": {step: record}, ...} from a metrics.jsonl;
     later records of a step (after a resume) replace earlier ones."""
     out = {"meta": [], "train": {}, "eval": {}, "checkpoint_start": {}, "checkpoint": {}, "resume": {}, "stop": {},
-           "grace_warning": {}}
+           "grace_warning": {}, "schedule_change": {}}
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue

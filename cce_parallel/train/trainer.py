@@ -27,7 +27,7 @@ from cce_parallel.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
 from cce_parallel.megatron import mask_labels
 from cce_parallel.train import checkpoint, grace, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
-from cce_parallel.train.engine import build_engine
+from cce_parallel.train.engine import build_engine, schedule_change
 from cce_parallel.train.metrics import MetricsLogger, peak_memory_per_rank, peak_tflops
 from cce_parallel.train.model import (
     build_gpt,
@@ -124,6 +124,10 @@ class Trainer:
             self.metrics.print(f"resumed from {resume_from} at step {self.step} (checked in {self._verify_s:.1f} s, "
                                f"loaded in {seconds:.1f} s)")
             self.metrics.record("resume", step=self.step, path=str(resume_from), verify_s=self._verify_s, load_s=seconds)
+            change = schedule_change(meta["scheduler"], self.engine.scheduler, recipe)
+            if change is not None:  # e.g. train.steps raised on a finished run: the decay starts over
+                self._warn(f"warning: {resume_from.name}: {change.describe()}")
+                self.metrics.record("schedule_change", step=self.step, **change.to_json())
         self.checkpointer = checkpoint.Checkpointer(
             self.ckpt_dir, keep=recipe.checkpoint.keep, timeout=datetime.timedelta(minutes=recipe.run.dist_timeout_minutes)
         )

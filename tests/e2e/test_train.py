@@ -177,6 +177,37 @@ def test_kill_and_resume(tiny_reference, tiny_data, runs_dir):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000024"
 
 
+def test_extending_a_finished_run_warns_of_its_schedule(tiny_data, runs_dir):
+    """A finished run started again with more train.steps resumes under the recipe's schedule, whose
+    decay then spans the new length: the start says so once, with the next step's learning rate
+    under both schedules and the override that keeps the checkpoint's; with that override the run
+    goes on at the checkpoint's schedule (min_lr past its decay) and nothing is said."""
+    from cce_parallel.config import Recipe
+    from cce_parallel.train.metrics import read_metrics
+
+    min_lr, run_dir = Recipe().optim.min_lr, runs_dir / "extended"
+    overrides = base_overrides(runs_dir, tiny_data, "extended") + [
+        "parallel.tensor=1", "optim.warmup_steps=1", "eval.iters=1", "checkpoint.interval=0"]
+    run_train(overrides + ["train.steps=3"], nproc=None)
+
+    kept = run_train(overrides + ["train.steps=5", "optim.decay_steps=3"], nproc=None)  # the fix, from the start
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert "learning-rate schedule" not in kept.stderr and not metrics["schedule_change"]
+    assert [metrics["train"][s]["lr"] for s in (4, 5)] == [min_lr, min_lr]
+
+    extended = run_train(overrides + ["train.steps=7"], nproc=None)  # the checkpoint of step 5 decayed over 3
+    warnings = [line for line in extended.stderr.splitlines() if "learning-rate schedule" in line]
+    assert len(warnings) == 1, extended.stderr
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    change = metrics["schedule_change"][5]
+    assert change["changed"] == {"optim.decay_steps": [3, 7]} and change["fix"] == "--set optim.decay_steps=3"
+    assert change["lr_checkpoint"] == min_lr
+    assert change["lr_recipe"] == metrics["train"][6]["lr"] > min_lr  # the number said is the step's lr
+    for text in ("step_0000005", "optim.decay_steps 3 -> 7 (unset: it follows train.steps)", "Step 6",
+                 f"{change['lr_recipe']:.3e}", f"{min_lr:.3e}", "--set optim.decay_steps=3"):
+        assert text in warnings[0], (text, warnings[0])
+
+
 def test_plain_start_relaunches_under_torchrun(tiny_data, runs_dir):
     """`python -m cce_parallel.train` for a 2-rank recipe re-executes itself through torchrun."""
     done = run_train(base_overrides(runs_dir, tiny_data, "plain") + ["train.stop_at=1", "eval.iters=1"], nproc=None)
