@@ -12,10 +12,28 @@ what is wrong and where; the command lines print it as one line.
 """
 
 import importlib
+import warnings
 
 
 class DataError(ValueError):
     """The data or the arguments that name it are wrong (not a bug here): the message says how."""
+
+
+# What megatron-core's package import warns on a machine without Transformer Engine and apex (four
+# lines on a CPU install: its optimizer, clip_grads and Megatron-FSDP modules each fall back; 0.19
+# also misses absl). The data code uses none of those modules.
+_IMPORT_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                    "absl.logging is not installed")
+
+
+def import_megatron(module: str):
+    """``importlib.import_module(module)`` for a megatron-core module (prepare.py writes megatron's
+    indexed format, megatron_data.py reads it), without the warnings of megatron.core's first
+    import; the caller's warning filters are restored."""
+    with warnings.catch_warnings():
+        for message in _IMPORT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        return importlib.import_module(module)
 
 
 _EXPORTS = {

@@ -31,17 +31,16 @@ import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
-from cce_parallel.data import DataError
+from cce_parallel.data import DataError, import_megatron
 from cce_parallel.data.info import DatasetInfo
 from cce_parallel.data.prepare import CACHE_NAME
 from cce_parallel.data.tokenizer import Tokenizer, load_tokenizer
 
 _HELPERS = "megatron.core.datasets.helpers_cpp"
 
-
 def _import_megatron():
     try:
-        from megatron.core.datasets import gpt_dataset  # noqa: F401
+        import_megatron("megatron.core.datasets.gpt_dataset")
     except ImportError as err:
         raise ImportError(
             f"reading the datasets needs megatron-core ({err}): pip install 'megatron-core>=0.16.1,<0.20'"

@@ -33,18 +33,19 @@ import shutil
 import struct
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from cce_parallel.data import DataError
+from cce_parallel.data import DataError, import_megatron
 from cce_parallel.data.info import INFO_NAME, DatasetInfo, load_dataset_info
 from cce_parallel.data.sources import open_source
 from cce_parallel.data.tokenizer import HFTokenizer, Tokenizer, check_spec, load_tokenizer, train_bpe
 
-logger = logging.getLogger(__name__)
+# Named, not __name__: run as ``python -m cce_parallel.data.prepare`` this module is __main__, and
+# its lines would miss the "cce_parallel" logger that main() and the train job show.
+logger = logging.getLogger("cce_parallel.data.prepare")
 
 TRAIN_NAME = "train_text_document"
 VALID_NAME = "valid_text_document"
@@ -52,6 +53,7 @@ TOKENIZER_NAME = "tokenizer.json"
 CACHE_NAME = "megatron_cache"
 _WORK_NAME = ".prepare-work"
 _BATCH_DOCS = 512  # documents per tokenizer batch
+_PROGRESS_S = 10.0  # a progress line at most this often in a long pass
 
 
 def split_documents(
@@ -107,31 +109,38 @@ class _Spill:
 
 
 def _import_builder():
+    """megatron-core's writer of its indexed format (the .bin/.idx files its GPTDataset reads)."""
     try:
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+        indexed = import_megatron("megatron.core.datasets.indexed_dataset")
     except ImportError as err:
         raise ImportError(
             f"writing .bin/.idx files needs megatron-core ({err}): pip install 'megatron-core>=0.16.1,<0.20'"
         ) from None
-    return DType, IndexedDatasetBuilder
+    return indexed.DType, indexed.IndexedDatasetBuilder
 
 
-def _write_indexed(docs, tok: Tokenizer, prefix: Path) -> tuple[int, int]:
-    """Encode ``docs`` into prefix.bin/.idx, EOD after each; return (documents, tokens)."""
+def _write_indexed(docs: "_Spill", tok: Tokenizer, prefix: Path, name: str) -> tuple[int, int]:
+    """Encode ``docs`` (the ``name`` split) into prefix.bin/.idx, EOD after each; return (documents, tokens)."""
+    start = time.monotonic()
+    logger.info("tokenizing the %s documents", name)
     DType, IndexedDatasetBuilder = _import_builder()
     dtype = DType.optimal_dtype(tok.vocab_size)
     builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
     n_docs = n_tokens = 0
     batch: list[str] = []
+    shown = start
 
     def flush():
-        nonlocal n_docs, n_tokens
+        nonlocal n_docs, n_tokens, shown
         for ids in tok.tokenize_batch(batch):
             ids.append(tok.eod)
             builder.add_document(ids, [len(ids)])
             n_tokens += len(ids)
         n_docs += len(batch)
         batch.clear()
+        if time.monotonic() - shown > _PROGRESS_S:
+            shown = time.monotonic()
+            logger.info("tokenized %s of %s %s documents (%.0f s)", f"{n_docs:,}", f"{docs.count:,}", name, shown - start)
 
     for text in docs:
         batch.append(text)
@@ -140,6 +149,8 @@ def _write_indexed(docs, tok: Tokenizer, prefix: Path) -> tuple[int, int]:
     if batch:
         flush()
     builder.finalize(str(prefix) + ".idx")
+    logger.info("tokenized the %s documents: %s documents, %s tokens (%.1f s)", name, f"{n_docs:,}", f"{n_tokens:,}",
+                time.monotonic() - start)
     return n_docs, n_tokens
 
 
@@ -233,7 +244,7 @@ def prepare_dataset(
     )
     info = _existing(out, args, overwrite)
     if info is not None:
-        logger.info("%s already holds this dataset", out)
+        logger.info("%s holds this dataset already (%s training tokens)", out, f"{info.n_train_tokens:,}")
         return info
 
     _import_builder()  # fail before the long passes if megatron-core is missing
@@ -248,16 +259,18 @@ def prepare_dataset(
     work.mkdir()
     spills = {}
     try:
+        logger.info("preparing %s from %s (first use): counting the documents", out, src.spec)
         n_total = src.count(max_documents)
         if n_total < 2:
             raise DataError(f"source {src.spec!r} holds {n_total} document(s); at least 2 are needed")
         train_idx, valid_idx = split_documents(n_total, train_fraction, valid_fraction, seed)
         logger.info(
-            "%s: %d documents; %d chosen for training, %d for validation",
+            "%s: %s documents (%.1f s); %s chosen for training, %s for validation",
             src.spec,
-            n_total,
-            len(train_idx),
-            len(valid_idx),
+            f"{n_total:,}",
+            time.monotonic() - t0,
+            f"{len(train_idx):,}",
+            f"{len(valid_idx):,}",
         )
 
         which = np.zeros(n_total, dtype=np.int8)  # 0: unused, 1: train, 2: valid
@@ -265,8 +278,12 @@ def prepare_dataset(
         which[valid_idx] = 2
         last = int(max(train_idx[-1], valid_idx[-1]))
         spills.update({1: _Spill(work / "train"), 2: _Spill(work / "valid")})
-        dropped = 0
+        dropped, start = 0, time.monotonic()
+        shown = start
         for i, text in enumerate(src):
+            if time.monotonic() - shown > _PROGRESS_S:
+                shown = time.monotonic()
+                logger.info("read %s of %s documents (%.0f s)", f"{i:,}", f"{last + 1:,}", shown - start)
             if which[i]:
                 if len(text.strip()) >= min_document_chars:
                     spills[which[i]].write(text)
@@ -279,6 +296,7 @@ def prepare_dataset(
         train, valid = spills[1], spills[2]
         if dropped:
             logger.info("dropped %d chosen documents shorter than %d characters", dropped, min_document_chars)
+        logger.info("read the chosen documents (%.1f s)", time.monotonic() - start)
         for name, spill in (("training", train), ("validation", valid)):
             if spill.count == 0:
                 raise DataError(
@@ -289,13 +307,15 @@ def prepare_dataset(
         tok_path = out / TOKENIZER_NAME
         if tokenizer == "bpe":
             logger.info("training a byte-level BPE of %d tokens on %d documents", vocab_size, train.count)
+            start = time.monotonic()
             tok = train_bpe(train, vocab_size, path=tok_path, length=train.count)
+            logger.info("trained the BPE (%.1f s)", time.monotonic() - start)
         elif isinstance(tok, HFTokenizer):
             tok.save(tok_path)  # training needs no network for it later
         else:
             tok_path = None
-        n_train_docs, n_train_tokens = _write_indexed(train, tok, out / TRAIN_NAME)
-        n_valid_docs, n_valid_tokens = _write_indexed(valid, tok, out / VALID_NAME)
+        n_train_docs, n_train_tokens = _write_indexed(train, tok, out / TRAIN_NAME, "training")
+        n_valid_docs, n_valid_tokens = _write_indexed(valid, tok, out / VALID_NAME, "validation")
     finally:
         for spill in spills.values():
             spill.close()
@@ -320,7 +340,8 @@ def prepare_dataset(
     tmp = out / (INFO_NAME + ".tmp")
     tmp.write_text(json.dumps(info.to_json(), indent=2) + "\n")
     os.replace(tmp, out / INFO_NAME)
-    logger.info("prepared %s in %.1f s", out, time.monotonic() - t0)
+    logger.info("prepared %s in %.1f s: %s training and %s validation tokens, vocabulary %d", out,
+                time.monotonic() - t0, f"{n_train_tokens:,}", f"{n_valid_tokens:,}", tok.vocab_size)
     return info
 
 
@@ -370,7 +391,6 @@ def main(argv=None) -> int:
         "--overwrite", action="store_true", help="replace a dataset prepared with other arguments"
     )
     a = ap.parse_args(argv)
-    warnings.filterwarnings("ignore", module=r"megatron\.core")  # its import warns that TE/apex are missing
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("cce_parallel").setLevel(logging.INFO)
     try:

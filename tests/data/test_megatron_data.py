@@ -2,6 +2,8 @@
 
 import itertools
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("megatron.core")
 
 from cce_parallel.data import build_gpt_datasets, load_tokenizer
+from tests.data.conftest import corpus, write_corpus
 from tests.dist import spawn
 
 
@@ -102,3 +105,21 @@ def test_gloo_group_builds_on_rank_zero_and_agrees(prepared, tmp_path):
         [train[i]["tokens"].tolist() for i in (0, 5, 299)],
         valid[3]["labels"].tolist(),
     )
+
+
+def test_writing_and_reading_import_megatron_without_its_warnings(tmp_path):
+    """megatron-core's first import warns four times that Transformer Engine and apex are missing
+    (its optimizer and Megatron-FSDP fall back); preparing and reading the data use neither, and
+    say nothing of them. The caller's own warnings still show (its filters are restored)."""
+    src = write_corpus(tmp_path / "src", corpus(), "txt")
+    code = f"""
+import warnings
+from cce_parallel.data import build_gpt_datasets, load_tokenizer, prepare_dataset
+info = prepare_dataset({str(src)!r}, {str(tmp_path / "out")!r}, vocab_size=300, valid_fraction=0.2)
+build_gpt_datasets(info, seq_length=32, seed=1, train_samples=8, valid_samples=None, tokenizer=load_tokenizer(info))
+warnings.warn("the caller's own warning")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "the caller's own warning" in done.stderr
+    assert "Transformer Engine" not in done.stderr and "Apex" not in done.stderr, done.stderr

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 import os
 
 import numpy as np
@@ -209,6 +210,51 @@ def test_hf_tokenizer_from_a_local_file(tmp_path, docs, prepared):
     train, _ = read_back(info, info.train_prefix)
     valid, _ = read_back(info, info.valid_prefix)
     assert sorted(train + valid) == sorted(docs)
+
+
+@needs_tokenizers
+@needs_megatron
+def test_progress_is_logged_with_counts_and_times(tmp_path, docs, caplog):
+    """Each pass says when it starts and what it made (documents, tokens, seconds), so that a first
+    preparation is not a silent wait; a prepared dataset takes one line."""
+    src = str(write_corpus(tmp_path / "src", docs, "txt"))
+    with caplog.at_level(logging.INFO, logger="cce_parallel.data"):
+        info = prepare_dataset(src, tmp_path / "out", vocab_size=300, valid_fraction=0.2)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("cce_parallel.data")]
+    assert lines[0] == f"preparing {info.out_dir} from {info.source} (first use): counting the documents"
+    text = "\n".join(lines)
+    n_docs = info.n_train_documents + info.n_valid_documents
+    assert f"{info.source}: {n_docs} documents (" in text
+    for split, docs_, tokens in (("training", info.n_train_documents, info.n_train_tokens),
+                                 ("validation", info.n_valid_documents, info.n_valid_tokens)):
+        assert f"tokenized the {split} documents: {docs_:,} documents, {tokens:,} tokens (" in text
+    assert lines[-1].startswith(f"prepared {info.out_dir} in ")
+    assert lines[-1].endswith(f": {info.n_train_tokens:,} training and {info.n_valid_tokens:,} validation tokens, "
+                              f"vocabulary {info.vocab_size}")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cce_parallel.data"):
+        prepare_dataset(src, tmp_path / "out", vocab_size=300, valid_fraction=0.2)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{info.out_dir} holds this dataset already ({info.n_train_tokens:,} training tokens)"]
+
+
+@needs_tokenizers
+@needs_megatron
+def test_the_train_job_prints_the_progress(tmp_path, docs, capsys):
+    """cce_parallel.train.data.prepare (a run's first start, --prepare-data) shows the data
+    package's progress lines on stdout, and leaves its logger as it was."""
+    from cce_parallel.config import DataConfig
+    from cce_parallel.train.data import prepare
+
+    src = str(write_corpus(tmp_path / "src", docs, "txt"))
+    logger = logging.getLogger("cce_parallel.data")
+    before = (logger.level, logger.propagate, list(logger.handlers))
+    info = prepare(DataConfig(source=src, vocab_size=300, dir=str(tmp_path / "out"), valid_fraction=0.2))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"data: preparing {info.out_dir} from {info.source} (first use): counting the documents"
+    assert f"data: tokenized the training documents: {info.n_train_documents:,} documents, " in "\n".join(out)
+    assert out[-1].startswith(f"data: prepared {info.out_dir} in ")
+    assert (logger.level, logger.propagate, list(logger.handlers)) == before
 
 
 @needs_tokenizers
