@@ -25,9 +25,12 @@ $(VENV)/bin/python:
 demo: setup
 	$(PY) -m cce_parallel.train --recipe recipes/tiny.yaml
 
-# CPU tests: Triton kernels under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+# CPU tests: Triton kernels under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+# in TEST_WORKERS pytest-xdist processes, one test module at a time each, the longest first
+# (tests/conftest.py). `.venv/bin/python -m pytest tests/...` runs any part in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # On a CUDA machine: compiled kernels, bf16/fp16 at real shapes.
 test-gpu:

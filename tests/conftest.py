@@ -37,6 +37,23 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in gpu_items:
             item.add_marker(skip)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        _longest_modules_first(items)
+
+
+def _longest_modules_first(items):
+    """For ``make test`` (``-n 2 --dist loadfile --no-loadscope-reorder``): each test module is one
+    unit of work, so that what its tests share (module fixtures, the process groups that
+    tests/parallel and tests/megatron cache per module) is built once, and the units go out in
+    collection order, which this makes: modules with a ``slow`` test (end-to-end runs, tens of
+    seconds each) first, then those with a ``distributed`` one (process groups), then the rest, so
+    that the short ones fill the end. Every worker collects alike, so all agree on the order."""
+    cost = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        rank = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("distributed") else 2
+        cost[module] = min(cost.get(module, 2), rank)
+    items.sort(key=lambda item: cost[item.nodeid.split("::")[0]])  # stable: a module's tests stay together
 
 
 @pytest.fixture(autouse=True)

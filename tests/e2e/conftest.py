@@ -1,11 +1,13 @@
 """End-to-end runs of the real entry point under torchrun (gloo, CPU) on the tiny recipe.
 
-The dataset is prepared once per session (``tiny_data``) and every run points at it. The
-reference run (``tiny_reference``: the tiny recipe at TP=2, all 50 steps) is shared by the tests
-that compare against it. Runs are subprocesses; a test fails with the run's output on error.
+The dataset is prepared once per test run (``tiny_data``) and every run points at it. The
+reference run (``tiny_reference``: the tiny recipe at TP=2, all 50 steps) is made once per test
+run too, also under pytest-xdist (tests/shared.py), and shared by the tests that compare against
+it. Runs are subprocesses; a test fails with the run's output on error.
 """
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared import build_once, worker_copy
+
 ROOT = Path(__file__).resolve().parents[2]
+DATA_NAME = "stdlib-bpe-1024"
+CACHE_NAME = "megatron_cache"  # cce_parallel.data.prepare.CACHE_NAME: the runs' sample-index cache
 
 
 def train_env(**extra) -> dict:
@@ -122,15 +128,20 @@ def base_overrides(tmp_dir: Path, data_dir: Path, name: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
-    """The tiny recipe's dataset (stdlib text, 1,024-token BPE), prepared once."""
-    from cce_parallel.config import Recipe
-    from cce_parallel.train.data import prepare
+    """The tiny recipe's dataset (stdlib text, 1,024-token BPE), prepared once per test run; under
+    xdist each worker runs on its own copy (tests/shared.py: runs write their sample-index cache
+    into the dataset's directory)."""
 
-    data_dir = tmp_path_factory.mktemp("data") / "stdlib-bpe-1024"
-    recipe = Recipe()
-    recipe.data.dir = str(data_dir)
-    prepare(recipe.data)
-    return data_dir
+    def build(path: Path):
+        from cce_parallel.config import Recipe
+        from cce_parallel.train.data import prepare
+
+        recipe = Recipe()
+        recipe.data.dir = str(path / DATA_NAME)
+        prepare(recipe.data)
+
+    shared = build_once(tmp_path_factory, "tiny-data", build)
+    return worker_copy(tmp_path_factory, shared, "tiny-data", ignore=[CACHE_NAME]) / DATA_NAME
 
 
 @pytest.fixture(scope="session")
@@ -139,10 +150,20 @@ def runs_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_reference(tiny_data, runs_dir):
-    """The tiny recipe at TP=2 over 2 ranks, uninterrupted, with wandb offline: (run dir, metrics, seconds)."""
+def tiny_reference(tiny_data, tmp_path_factory):
+    """The tiny recipe at TP=2 over 2 ranks, uninterrupted, with wandb offline, run once per test
+    run (whichever xdist worker asks first): (run dir, metrics, the finished run with its output
+    and .seconds)."""
     from cce_parallel.train.metrics import read_metrics
 
-    done = run_train(base_overrides(runs_dir, tiny_data, "reference"), env=train_env(WANDB_MODE="offline"))
-    run_dir = runs_dir / "reference"
+    def build(path: Path):
+        done = run_train(base_overrides(path, tiny_data, "reference"), env=train_env(WANDB_MODE="offline"))
+        output = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr, "seconds": done.seconds}
+        (path / "reference.json").write_text(json.dumps(output))
+
+    path = build_once(tmp_path_factory, "tiny-reference", build)
+    output = json.loads((path / "reference.json").read_text())
+    done = subprocess.CompletedProcess(None, output["returncode"], output["stdout"], output["stderr"])
+    done.seconds = output["seconds"]
+    run_dir = path / "reference"
     return run_dir, read_metrics(run_dir / "metrics.jsonl"), done

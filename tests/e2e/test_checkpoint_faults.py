@@ -16,7 +16,7 @@ import torch
 
 from tests.e2e.conftest import ROOT, _alive, _descendants, base_overrides, run_train, train_command, train_env
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
