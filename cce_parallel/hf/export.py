@@ -51,10 +51,8 @@ def resolve_checkpoint(path) -> Path:
 def read_checkpoint(path) -> tuple[dict, object, dict]:
     """(meta.json, the recipe, {(tp rank, pp rank): {name: tensor}}) of a checkpoint, after
     checking its files' checksums."""
-    import torch.distributed.checkpoint as dcp
-
     from cce_parallel.config import recipe_from_dict
-    from cce_parallel.train.checkpoint_files import SafeReader, TensorsOnly, verify
+    from cce_parallel.train.checkpoint_files import SafeReader, read_tensors, verify
 
     path = resolve_checkpoint(path)
     meta = verify(path)
@@ -73,7 +71,7 @@ def read_checkpoint(path) -> tuple[dict, object, dict]:
         where[key] = (int(match.group(1)), int(match.group(2)), match.group(4))
     if not templates:
         raise ConversionError(f"{path}: the checkpoint holds no model tensors")
-    dcp.load(templates, storage_reader=SafeReader(str(path)), planner=TensorsOnly(), no_dist=True)
+    read_tensors(path, templates)
     stages: dict = {}
     for key, (t, p, name) in where.items():
         stages.setdefault((t, p), {})[name] = templates[key]

@@ -79,15 +79,7 @@ def read(path: Path, meta: dict, metadata) -> dict:
     """{(tp, pp): {name: tensor}} of the Megatron-FSDP checkpoint at path (verified: meta is its
     meta.json, metadata DCP's). ConversionError for a checkpoint without shard indexes (written
     before the train job wrote them) or with an incomplete one."""
-    import torch.distributed.checkpoint as dcp
-
-    from cce_parallel.train.checkpoint_files import (
-        SHARD_INDEX_FORMAT,
-        SafeReader,
-        TensorsOnly,
-        json_name,
-        shard_index_key,
-    )
+    from cce_parallel.train.checkpoint_files import SHARD_INDEX_FORMAT, json_name, read_tensors, shard_index_key
 
     layout = meta.get("layout", {})
     world = layout.get("world", layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1))
@@ -123,7 +115,7 @@ def read(path: Path, meta: dict, metadata) -> dict:
                                       "does not hold")
             templates[key] = torch.empty(item.size, dtype=item.properties.dtype)
     if templates:
-        dcp.load(templates, storage_reader=SafeReader(str(path)), planner=TensorsOnly(), no_dist=True)
+        read_tensors(path, templates)
     shards = [
         Shard(index["rank"], index["tp"], index["pp"], entry["name"], tuple(entry["shape"]), entry["start"],
               entry["stop"], templates.get(entry["key"]) if entry["key"] is not None else None)

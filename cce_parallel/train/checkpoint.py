@@ -94,16 +94,15 @@ from cce_parallel.train.checkpoint_files import (
 from cce_parallel.train.checkpoint_state import (
     _coords,
     _decode,
-    _encode,
     _fsdp,
     _init_optimizer_state,
     _load_optimizer_state,
     _model_state,
     _optim_key,
-    _optimizer_state,
     _set_rng_state,
     _templates,
     _unwrap,
+    encode_optimizer,
 )
 from cce_parallel.train.checkpoint_writer import Checkpointer
 
@@ -170,10 +169,9 @@ def load(path, *, engine, layout: dict) -> dict:
         # Shards to load into: the optimizer's own state (DCP loads in place), then the saved
         # document's tensor entries resolve to them.
         _init_optimizer_state(engine.optimizer, skip_empty=fsdp == "megatron")
-        live = _optimizer_state(engine.optimizer, fsdp)
         if fsdp == "megatron":
             mine = {}
-            _encode(live, optim_key, mine)
+            encode_optimizer(engine.optimizer, fsdp, optim_key, mine)
             saved_keys = set(_templates(docs[optim_key], {}))
             if set(mine) != saved_keys:
                 raise CheckpointError(
@@ -182,7 +180,7 @@ def load(path, *, engine, layout: dict) -> dict:
                 )
             state.update(mine)
         else:
-            _encode(live, optim_key, state)
+            encode_optimizer(engine.optimizer, fsdp, optim_key, state)
     for doc in docs.values():
         _templates(doc, state)
     dcp.load(state, storage_reader=SafeReader(path), planner=TensorsOnly())

@@ -1,6 +1,7 @@
 """Checkpoint files on disk: the names (``step_0000040``, ``latest``, ``meta.json``, ``.lock``),
 ``meta.json`` and its checksums, verification before use, the run directory's lock, and reading
-DCP's files with nothing unpickled into objects. Functions of paths only: nothing here knows the
+DCP's files with nothing unpickled into objects (``SafeReader``, ``TensorsOnly``; ``read_tensors``
+in one process, for the export). Functions of paths only: nothing here knows the
 engine or writes a checkpoint; ``verify_collective`` and ``newest_valid`` are collectives on the
 default group. The format is described in checkpoint.py.
 """
@@ -11,11 +12,13 @@ import json
 import os
 import pickle
 import socket
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -226,3 +229,13 @@ class TensorsOnly(DefaultLoadPlanner):
     def load_bytes(self, read_item, value):
         # DCP would torch.load(weights_only=False) a non-tensor value.
         raise CheckpointError(f"{read_item.dest_index.fqn} is not a tensor; checkpoints hold tensors only")
+
+
+def read_tensors(path, templates: dict) -> None:
+    """Load ``templates`` ({DCP key: tensor of the saved shape and dtype}) in place from the
+    checkpoint at ``path``, in this process alone (no process group: the export's reads), through
+    ``SafeReader`` and ``TensorsOnly``."""
+    with warnings.catch_warnings():
+        # torch warns at every load without a process group that it assumes one process: asked for.
+        warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to load in a single process")
+        dcp.load(templates, storage_reader=SafeReader(str(path)), planner=TensorsOnly(), no_dist=True)

@@ -1,8 +1,11 @@
-"""What a checkpoint holds of the engine, as tensors + JSON: ``_state_to_save`` gives this rank's
+"""What a checkpoint holds of the engine, as tensors + JSON: ``state_to_save`` gives this rank's
 tensors (for DCP) and its JSON documents (everything else, each tensor replaced by its DCP key,
-dtype and shape); ``_encode``, ``_decode`` and ``_templates`` map state to and from that pair; the
-rest reads and restores the model, optimizer (DDP, FSDP2, Megatron-FSDP, distributed optimizer)
-and RNG states. No files and no collectives: checkpoint_writer.py writes, checkpoint.py loads.
+dtype and shape); ``_encode``, ``_decode`` and ``_templates`` map state to and from that pair
+(``encode_optimizer``: the optimizer's); ``shard_index`` is a Megatron-FSDP rank's index of its
+shards; the rest reads and restores the model, optimizer (DDP, FSDP2, Megatron-FSDP, distributed
+optimizer) and RNG states. No files and no collectives: checkpoint_writer.py writes,
+checkpoint.py loads. The public names are those that code outside the checkpoint modules uses
+(tests/hf builds the files of Megatron-FSDP ranks with them).
 """
 
 import math
@@ -140,6 +143,12 @@ def _optimizer_state(optimizer, fsdp: str = "none") -> list[dict]:
     return _local(state) if fsdp == "megatron" else state
 
 
+def encode_optimizer(optimizer, fsdp: str, key: str, tensors: dict) -> dict:
+    """What the checkpoint holds of the optimizer (``_optimizer_state``) as the JSON document of
+    ``key``, its tensors put into ``tensors`` under keys below ``key``."""
+    return _encode(_optimizer_state(optimizer, fsdp), key, tensors)
+
+
 def _load_optimizer_state(optimizer, saved: list[dict], *, loaded_in_place: bool = False):
     """Restore the saved optimizer state. loaded_in_place (Megatron-FSDP): DCP has already loaded
     every tensor into this rank's shards; only the param groups' hyperparameters and non-tensor
@@ -185,7 +194,7 @@ class _NoIndex(Exception):
     """What megatron-core gave falls short of a shard index (the reason)."""
 
 
-def _shard_index(engine, optim_key: str, tensors: dict, *, rank: int, coords: tuple[int, int, int]) -> dict:
+def shard_index(engine, optim_key: str, tensors: dict, *, rank: int, coords: tuple[int, int, int]) -> dict:
     """Under Megatron-FSDP, this rank's shard index (``rank{r}.shards.json``, see checkpoint.py):
     for every main weight in ``optim_key`` (the optimizer's parameters, in its order), the name of
     its parameter, the parameter's shape on this tensor-parallel rank, and the elements of that
@@ -231,7 +240,7 @@ def _shard_entries(engine, optim_key: str, tensors: dict) -> list[dict]:
             if not 0 <= start <= stop <= math.prod(shape) or stop - start != local.numel():
                 raise _NoIndex(f"{name}: megatron_fsdp_slice [{start}, {stop}) does not fit its shape {shape} and "
                                f"this rank's shard of {local.numel()} elements")
-            # The key _encode gives this main weight in _optimizer_state's document (an empty shard has none).
+            # The key encode_optimizer gives this main weight (an empty shard has none).
             key = f"{optim_key}/{i}/main_params/{j}" if local.numel() else None
             if key is not None and key not in tensors:
                 raise _NoIndex(f"{name}: its shard is not {key} in the checkpoint")
@@ -288,7 +297,7 @@ def _model_state(engine, tp: int, pp: int) -> dict:
     return state
 
 
-def _state_to_save(engine) -> tuple[dict, dict]:
+def state_to_save(engine) -> tuple[dict, dict]:
     """(tensors for DCP, {key: JSON document}) of this rank's share of the state."""
     rank = dist.get_rank()
     tp, pp, dp = _coords()
@@ -309,11 +318,11 @@ def _state_to_save(engine) -> tuple[dict, dict]:
         tensors.update(_model_state(engine, tp, pp))
     if dp == 0 or sharded or _is_distributed_optimizer(engine.optimizer):
         key = _optim_key(engine.optimizer, tp, pp, rank)
-        doc = _encode(_optimizer_state(engine.optimizer, fsdp), key, tensors)
+        doc = encode_optimizer(engine.optimizer, fsdp, key, tensors)
         if dp == 0 or not sharded:
             docs[key] = doc
         if fsdp == "megatron":  # what the export needs to put the shards together
-            docs[shard_index_key(rank)] = _shard_index(engine, key, tensors, rank=rank, coords=(tp, pp, dp))
+            docs[shard_index_key(rank)] = shard_index(engine, key, tensors, rank=rank, coords=(tp, pp, dp))
     return tensors, docs
 
 

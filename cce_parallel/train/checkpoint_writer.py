@@ -33,7 +33,7 @@ from cce_parallel.train.checkpoint_files import (
     step_name,
     writer_threads,
 )
-from cce_parallel.train.checkpoint_state import _state_to_save
+from cce_parallel.train.checkpoint_state import state_to_save
 
 
 class _HashingStream:
@@ -151,7 +151,7 @@ class Checkpointer:
     def prepare(self, engine):
         """Allocate the host buffers of later saves in the background (call once the optimizer
         has its state, i.e. after the first step)."""
-        self._writer.prepare(_state_to_save(engine)[0])
+        self._writer.prepare(state_to_save(engine)[0])
 
     def save(self, *, step: int, consumed_samples: int, engine, meta: dict) -> float:
         """Start a checkpoint of the current state; returns the seconds training was blocked."""
@@ -164,7 +164,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         dist.barrier(group=self.group)
-        tensors, docs = _state_to_save(engine)
+        tensors, docs = state_to_save(engine)
         for key, doc in docs.items():
             (tmp / json_name(key)).write_text(json.dumps(doc))
         # What meta.json records of this moment; the scheduler moves on while the files are written.

@@ -6,12 +6,14 @@ overlapping or a misshapen shard is an error naming the parameter. Then the whol
 built as Megatron-FSDP builds them (a tiny Llama at TP 2 x DP 2: each tensor-parallel rank's
 parameters in one flat buffer cut in equal halves, so the shards are uneven and some empty; the
 optimizer holds the shards, ``orig_param`` and ``megatron_fsdp_slice`` say where they sit) go
-through the train job's own save code (``_optimizer_state``, ``_shard_index``, the Checkpointer),
+through the train job's own save code (``encode_optimizer``, ``shard_index``, the Checkpointer),
 and ``python -m cce_parallel.export``'s reader gives transformers' weights back exactly. A
 checkpoint without shard indexes (written before them), an index with a hole, and one the run
-could not write are refused with the reason; the checksums cover the indexes."""
+could not write are refused with the reason; the checksums cover the indexes; reading warns of
+nothing."""
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -111,9 +113,9 @@ def ranks():
 def _rank_state(rank: int, t: int, d: int, params: dict, *, drop_slice: str | None = None):
     """What rank (tp t, dp d) saves: Megatron-FSDP's layout of params (one flat buffer, equal
     parts per data-parallel rank), its optimizer over the shards (in another order than the
-    buffer's), through the train job's _optimizer_state, _encode and _shard_index."""
+    buffer's), through the train job's encode_optimizer and shard_index."""
     from cce_parallel.train.checkpoint_files import shard_index_key
-    from cce_parallel.train.checkpoint_state import _encode, _optimizer_state, _shard_index
+    from cce_parallel.train.checkpoint_state import encode_optimizer, shard_index
 
     total = sum(p.numel() for p in params.values())
     part = -(-total // DP)
@@ -136,8 +138,8 @@ def _rank_state(rank: int, t: int, d: int, params: dict, *, drop_slice: str | No
     engine = SimpleNamespace(model=[SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
         optimizer_named_parameters=named))], optimizer=optimizer)
     key, tensors = f"rank{rank}/optim", {}
-    docs = {key: _encode(_optimizer_state(optimizer, "megatron"), key, tensors)}
-    docs[shard_index_key(rank)] = _shard_index(engine, key, tensors, rank=rank, coords=(t, 0, d))
+    docs = {key: encode_optimizer(optimizer, "megatron", key, tensors)}
+    docs[shard_index_key(rank)] = shard_index(engine, key, tensors, rank=rank, coords=(t, 0, d))
     return tensors, docs
 
 
@@ -150,7 +152,7 @@ def _save(directory, recipe, states: dict, monkeypatch):
     for part, part_docs in states.values():
         tensors.update(part)
         docs.update(part_docs)
-    monkeypatch.setattr(checkpoint_writer, "_state_to_save", lambda engine: (tensors, docs))
+    monkeypatch.setattr(checkpoint_writer, "state_to_save", lambda engine: (tensors, docs))
     meta = {"layout": {"tp": TP, "pp": 1, "dp": DP, "world": TP * DP, "accumulation": 1},
             "recipe": recipe_to_dict(recipe)}
     saver = checkpoint_writer.Checkpointer(directory)
@@ -244,15 +246,35 @@ def test_checksums_cover_the_shard_index(ranks, tmp_path, dist_group, monkeypatc
         read_checkpoint(path)
 
 
-def test_a_failure_to_index_the_shards_never_fails_the_save(monkeypatch):
+def test_a_failure_to_index_the_shards_never_fails_the_save():
     """What megatron-core gives could change under the index's feet: any error becomes the index's
-    reason (the export refuses it with that reason), and the checkpoint is still written."""
-    from cce_parallel.train import checkpoint_state
+    reason (the export refuses it with that reason), and the checkpoint is still written. Here its
+    buffer's optimizer_named_parameters holds something that is no (name, parameter) pair."""
+    from cce_parallel.train.checkpoint_state import shard_index
 
-    def broken(*args, **kwargs):
-        raise AttributeError("'Buffer' object has no attribute 'optimizer_named_parameters'")
-
-    monkeypatch.setattr(checkpoint_state, "_shard_entries", broken)
-    index = checkpoint_state._shard_index(None, "tp0_pp0/optim", {}, rank=1, coords=(0, 0, 1))
+    engine = SimpleNamespace(model=[SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
+        optimizer_named_parameters=[object()]))])
+    index = shard_index(engine, "tp0_pp0/optim", {}, rank=1, coords=(0, 0, 1))
     assert index["rank"] == 1 and "params" not in index
-    assert index["error"] == "AttributeError: 'Buffer' object has no attribute 'optimizer_named_parameters'"
+    assert index["error"].startswith("TypeError: cannot unpack non-iterable object"), index["error"]
+
+
+def test_reading_a_checkpoint_warns_of_nothing(ranks, tmp_path, dist_group, monkeypatch):
+    """The export reads DCP in one process, as it asks (torch warns at each such load that it
+    assumes one process): the model keys of a DDP checkpoint and the shards of a Megatron-FSDP one."""
+    from cce_parallel.config.loader import recipe_from_dict
+    from cce_parallel.hf.export import read_checkpoint
+
+    recipe, _, states = ranks
+    plain = recipe_from_dict(tiny.recipe_dict("llama", tp=TP))
+    weights = {t: torch.full((3, 2), float(t)) for t in range(TP)}
+    ddp = _save(tmp_path / "ddp", plain, {t: ({f"tp{t}_pp0/model/0/w": weights[t]}, {}) for t in range(TP)},
+                monkeypatch)
+    fsdp = _save(tmp_path / "fsdp", recipe, states, monkeypatch)
+    read = {}
+    for path in (ddp, fsdp):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            read[path] = read_checkpoint(path)[2]
+        assert not [str(w.message) for w in caught], path
+    assert all(torch.equal(read[ddp][(t, 0)]["w"], weights[t]) for t in range(TP))
