@@ -213,7 +213,8 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, record: dict, known: dict) -> dict:
         """Rank 0: meta.json (digests of every file: as written where the writer hashed it, else
-        read back), then the atomic rename and ``latest``, then pruning to ``keep``."""
+        read back), then the atomic rename and ``latest``, then pruning to ``keep`` (the report's
+        ``pruned``: the checkpoints removed)."""
         hashed = time.perf_counter()
         files = {}
         for file in sorted(p for p in tmp.iterdir() if p.is_file()):
@@ -236,12 +237,15 @@ class Checkpointer:
         os.replace(pointer, self.directory / LATEST)
         _fsync_dir(self.directory)
         published = time.perf_counter()
+        pruned = []
         if self.keep > 0:
             for old in sorted(self.directory.glob("step_*"))[:-self.keep]:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
+                    pruned.append(str(old))
         return {"bytes": sum(f["bytes"] for f in files.values()), "publish_s": published - hashed,
-                "prune_s": time.perf_counter() - published, "read_back": sorted(n for n in files if n not in known)}
+                "prune_s": time.perf_counter() - published, "pruned": pruned,
+                "read_back": sorted(n for n in files if n not in known)}
 
     def poll(self) -> dict | None:
         """The report of a save that has finished since the last call (raises its error), else None."""

@@ -22,6 +22,7 @@ the optimizers then hold DTensor shards of the parameters and their states. With
 import copy
 import dataclasses
 import importlib.util
+import math
 from collections.abc import Callable
 
 import torch
@@ -99,7 +100,7 @@ class ScheduleChange:
     """A resumed run whose learning-rate schedule is not the one its checkpoint was trained with."""
 
     step: int
-    """The first step of the resumed run."""
+    """The first step of the resumed run whose learning rate differs between the two."""
     changed: dict
     """{recipe key: (the checkpoint's value, the recipe's)} of the keys that differ."""
     lr_checkpoint: float
@@ -108,6 +109,8 @@ class ScheduleChange:
     """... and under the recipe's, which the run uses."""
     decay_follows_steps: bool
     """optim.decay_steps is unset: the decay spans train.steps."""
+    first: bool
+    """``step`` is the resumed run's first step (the rates agree before it otherwise)."""
 
     @property
     def fix(self) -> str:
@@ -120,31 +123,36 @@ class ScheduleChange:
             follows = " (unset: it follows train.steps)" if key == "optim.decay_steps" and self.decay_follows_steps else ""
             changes.append(f"{key} {old} -> {new}{follows}")
         return (f"the learning-rate schedule differs from the one the checkpoint was trained with: {', '.join(changes)}. "
-                f"Step {self.step} trains at lr {self.lr_recipe:.3e} under the recipe's schedule (used), "
+                f"Step {self.step}{'' if self.first else ' (the first whose rate differs)'} trains at lr "
+                f"{self.lr_recipe:.3e} under the recipe's schedule (used), "
                 f"{self.lr_checkpoint:.3e} under the checkpoint's; to keep the checkpoint's: {self.fix}")
 
     def to_json(self) -> dict:
-        return {"changed": {k: list(v) for k, v in self.changed.items()}, "lr_checkpoint": self.lr_checkpoint,
-                "lr_recipe": self.lr_recipe, "fix": self.fix}
+        return {"changed": {k: list(v) for k, v in self.changed.items()}, "differs_at": self.step,
+                "lr_checkpoint": self.lr_checkpoint, "lr_recipe": self.lr_recipe, "fix": self.fix}
 
 
 def schedule_change(saved: dict, scheduler: OptimizerParamScheduler, recipe: Recipe) -> ScheduleChange | None:
     """Compare the scheduler state a checkpoint saved with the scheduler built from the recipe and
-    restored from it (at the checkpoint's step): None where the learning rates agree in shape."""
+    restored from it (at the checkpoint's step): the first step of this run whose learning rate
+    differs between the two, or None where none does (e.g. only min_lr changed under a constant
+    schedule)."""
     changed = {key: (saved[field], getattr(scheduler, field))
                for field, key in SCHEDULE_KEYS.items() if field in saved and saved[field] != getattr(scheduler, field)}
-    if saved.get("lr_decay_style") == scheduler.lr_decay_style == "constant":  # no decay: nothing to span
-        changed = {k: v for k, v in changed.items() if k not in ("optim.decay_steps", "optim.min_lr")}
     if not changed:
         return None
-    step = scheduler.num_steps + 1
     old, new = copy.copy(scheduler), copy.copy(scheduler)  # get_lr reads these fields only
     for field in SCHEDULE_KEYS:
         if field in saved:
             setattr(old, field, saved[field])
-    old.num_steps = new.num_steps = step
-    return ScheduleChange(step=step, changed=changed, lr_checkpoint=old.get_lr({}), lr_recipe=new.get_lr({}),
-                          decay_follows_steps=recipe.optim.decay_steps is None)
+    for step in range(scheduler.num_steps + 1, recipe.train.steps + 1):  # stops at once where the next differs
+        old.num_steps = new.num_steps = step
+        lr_old, lr_new = old.get_lr({}), new.get_lr({})
+        if not math.isclose(lr_old, lr_new, rel_tol=1e-9, abs_tol=0.0):
+            return ScheduleChange(step=step, changed=changed, lr_checkpoint=lr_old, lr_recipe=lr_new,
+                                  decay_follows_steps=recipe.optim.decay_steps is None,
+                                  first=step == scheduler.num_steps + 1)
+    return None
 
 
 def _megatron(recipe: Recipe, model, config, dtype):

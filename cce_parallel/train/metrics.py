@@ -3,30 +3,40 @@
 Records of ``metrics.jsonl`` (one JSON object per line; rank 0 writes):
     {"kind": "meta", ...}                         once per start: recipe, layout, sizes, device, versions
     {"kind": "train", "step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s", "mfu",
-     "consumed_samples", "tokens", "time"}        every step (time: wall clock); at logging steps also
+     "consumed_samples", "tokens", "time", "elapsed_s"}
+                                                  every step (time: the wall clock, a timestamp of
+                                                  the record, not sent to wandb; elapsed_s: seconds
+                                                  since this start of the job); at logging steps also
      "peak_mem_per_rank" (bytes, list by global rank) and "peak_mem_max"
     {"kind": "eval", "step", "val_loss", "val_ppl", "val_tokens"}
     {"kind": "checkpoint_start", "step", "blocked_s", "waited_s"}
                                                   a background save began: training was blocked
                                                   blocked_s, waited_s of it for the save before
     {"kind": "checkpoint", "step", "path", "seconds", "blocked_s", "stage_s", "write_s",
-     "publish_s", "total_s", "bytes", "write_gb_per_s", "read_back"}
+     "publish_s", "prune_s", "pruned", "total_s", "bytes", "write_gb_per_s", "read_back"}
                                                   a checkpoint is complete: bytes of all its files,
                                                   seconds from the save's start (total_s) and its
                                                   parts; write_gb_per_s: bytes over the time after
                                                   training went on; read_back: files hashed by
-                                                  reading them (the rest were hashed as written)
+                                                  reading them (the rest were hashed as written);
+                                                  pruned: the older checkpoints removed then
+                                                  (checkpoint.keep)
     {"kind": "resume", "step", "path", "verify_s", "load_s"}
                                                   a start that continued from a checkpoint
-    {"kind": "schedule_change", "step", "changed", "lr_checkpoint", "lr_recipe", "fix"}
+    {"kind": "schedule_change", "step", "changed", "differs_at", "lr_checkpoint", "lr_recipe", "fix"}
                                                   ... whose recipe gives another learning-rate
                                                   schedule than the checkpoint's: changed {recipe
-                                                  key: [checkpoint's, recipe's]}, the next step's
-                                                  lr under each, the overrides that keep the old
-    {"kind": "stop", "step", "reason", "checkpoint", "elapsed_s"}
+                                                  key: [checkpoint's, recipe's]}, the first step
+                                                  whose lr differs and its lr under each, the
+                                                  overrides that keep the old
+    {"kind": "stop", "step", "reason", "checkpoint", "elapsed_s", "train_s", "tokens", "train_loss",
+     "train_loss_step", "val_loss", "val_loss_step"}
                                                   how training ended: reason "signal",
                                                   "exit_duration", "stop_at" or "done"; the newest
-                                                  checkpoint (or null); seconds since the start
+                                                  checkpoint (or null); seconds since the start and
+                                                  in steps; tokens trained (every start); the last
+                                                  losses of this start (null: none); the console's
+                                                  end-of-run summary says the same
     {"kind": "grace_warning", "step", "grace_s", "bytes", "bytes_per_s", "source", "step_s",
      "asynchronous", "on_signal_s", "needed_s"}   the launcher's grace is shorter than a save on a
                                                   signal needs (train/grace.py)
@@ -73,6 +83,10 @@ def peak_memory_per_rank(device: str) -> list[int]:
     return [int(v) for v in values.tolist()]
 
 
+# Record fields that are no metric to plot: the x axis, and a timestamp (wandb keeps its own).
+_NOT_METRICS = ("step", "time")
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -99,7 +113,7 @@ class MetricsLogger:
         if self.wandb is not None and kind in ("train", "eval"):
             scalars = {
                 f"{kind}/{k}": v for k, v in fields.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _NOT_METRICS
             }
             self.wandb.log(scalars, step=fields["step"])
 
@@ -137,10 +151,37 @@ def _start_wandb(run_dir: Path, recipe_dict: dict, *, mode: str, project: str, n
         return wandb.init(
             project=project, name=name, id=id_file.read_text().strip(), resume="allow", dir=str(run_dir),
             mode=mode, config=recipe_dict,
+            # Where the run is kept at the start, and no history and summary block at the end: the
+            # job prints its own summary (end_summary).
+            settings=wandb.Settings(quiet=True),
         )
     except Exception as err:  # noqa: BLE001 - logging must not stop training
         print(f"wandb.init failed ({err}): logging to metrics.jsonl only", flush=True)
         return None
+
+
+def end_summary(*, name: str, finished: bool, step: int, steps: int, start_step: int, tokens_per_step: int,
+                elapsed_s: float, train_s: float, train: dict | None, val: dict | None, checkpoint: str | None,
+                run_dir) -> str:
+    """The console's lines at the end of a run (this start of it): where it stopped, what it
+    trained, how long it took, the last losses and perplexities, and what it leaves."""
+    n = step - start_step
+    this_start = f" ({n} step{'' if n == 1 else 's'}, {n * tokens_per_step:,} tokens this start)" if start_step else ""
+    lines = [f"{name} {'finished' if finished else 'stopped'}: step {step} of {steps}, {step * tokens_per_step:,} tokens{this_start}; "
+             f"{elapsed_s:.1f} s since the start, {train_s:.1f} s of it in steps"]
+    if train is not None:
+        lines.append(f"  train loss {train['loss']:.4f} | ppl {_ppl(train['loss']):.2f} (step {train['step']})")
+    else:
+        lines.append("  no step trained this start")
+    if val is not None:
+        lines.append(f"  val loss {val['val_loss']:.4f} | val ppl {val['val_ppl']:.2f} (step {val['step']})")
+    lines.append(f"  checkpoint {checkpoint}" if checkpoint else "  no checkpoint")
+    lines.append(f"  metrics {Path(run_dir) / 'metrics.jsonl'}")
+    return "\n".join(lines)
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 700.0)) if math.isfinite(loss) else math.nan
 
 
 def read_metrics(path) -> dict:

@@ -28,7 +28,7 @@ from cce_parallel.megatron import mask_labels
 from cce_parallel.train import checkpoint, grace, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine, schedule_change
-from cce_parallel.train.metrics import MetricsLogger, peak_memory_per_rank, peak_tflops
+from cce_parallel.train.metrics import MetricsLogger, end_summary, peak_memory_per_rank, peak_tflops
 from cce_parallel.train.model import (
     build_gpt,
     count_parameters,
@@ -125,7 +125,7 @@ class Trainer:
                                f"loaded in {seconds:.1f} s)")
             self.metrics.record("resume", step=self.step, path=str(resume_from), verify_s=self._verify_s, load_s=seconds)
             change = schedule_change(meta["scheduler"], self.engine.scheduler, recipe)
-            if change is not None:  # e.g. train.steps raised on a finished run: the decay starts over
+            if change is not None:  # e.g. train.steps raised on a finished run: the decay is stretched
                 self._warn(f"warning: {resume_from.name}: {change.describe()}")
                 self.metrics.record("schedule_change", step=self.step, **change.to_json())
         self.checkpointer = checkpoint.Checkpointer(
@@ -138,6 +138,9 @@ class Trainer:
         self.stopped: dict | None = None  # how train() ended: step, reason, checkpoint
         self._last_checkpoint = str(resume_from) if resume_from is not None else None
         self._step_s: float | None = None
+        self._last_train: dict | None = None  # for the summary at the end
+        self._last_eval: dict | None = None
+        self._train_s = 0.0  # the steps' time, this start
         self._warned_need = 0
         self.grace = grace.launcher_grace()
         self.save_estimate = self._first_save_estimate(resume_from)
@@ -339,6 +342,7 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "update": bool(ok),
             "step_time": step_time, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "consumed_samples": self.step * r.train.global_batch_size, "time": time.time(),
+            "elapsed_s": time.monotonic() - self.started,
             "tokens": self.step * r.train.global_batch_size * r.model.seq_length,
         }
 
@@ -390,8 +394,8 @@ class Trainer:
                 asynchronous=self.recipe.checkpoint.asynchronous)
             self._check_grace(self.save_estimate)
         rate = report["bytes"] / max(report["total_s"] - (0.0 if blocking else report["blocked_s"]), 1e-9)
-        fields = {k: report[k] for k in ("path", "blocked_s", "stage_s", "write_s", "publish_s", "prune_s", "total_s",
-                                         "bytes", "read_back")}
+        fields = {k: report[k] for k in ("path", "blocked_s", "stage_s", "write_s", "publish_s", "prune_s", "pruned",
+                                         "total_s", "bytes", "read_back")}
         self.metrics.record("checkpoint", step=report["step"], seconds=report["blocked_s"], write_gb_per_s=rate / 1e9,
                             **fields)
         self.metrics.print(
@@ -399,9 +403,11 @@ class Trainer:
             f"{report['blocked_s']:.1f} s (staging {report['stage_s']:.1f} s), written in {report['total_s']:.1f} s "
             f"({rate / 1e9:.2f} GB/s; meta.json and rename {report['publish_s']:.2f} s)"
         )
+        for path in report["pruned"]:
+            self.metrics.print(f"removed checkpoint {path} (checkpoint.keep: {self.recipe.checkpoint.keep})")
 
     def _eval_and_log(self):
-        result = self.evaluate()
+        result = self._last_eval = self.evaluate()
         self.metrics.record("eval", **result)
         self.metrics.print(f"eval at step {result['step']}: val loss {result['val_loss']:.4f} | val ppl {result['val_ppl']:.2f}")
 
@@ -420,6 +426,8 @@ class Trainer:
             while self.step < stop:
                 result = self.train_step()
                 self._step_s = result["step_time"]
+                self._last_train = result
+                self._train_s += result["step_time"]
                 if self.step % r.logging.interval == 0 or self.step in (1, stop):
                     result["peak_mem_per_rank"] = peak_memory_per_rank(self.device)
                     result["peak_mem_max"] = max(result["peak_mem_per_rank"])
@@ -463,14 +471,25 @@ class Trainer:
         """Log how training ended; ``stopped`` tells the entry point (and the launcher's agent)."""
         elapsed = time.monotonic() - self.started
         self.stopped = {"step": self.step, "reason": reason, "checkpoint": self._last_checkpoint}
-        self.metrics.record("stop", step=self.step, reason=reason, checkpoint=self._last_checkpoint, elapsed_s=elapsed)
-        if reason == "done":
-            return
-        why = {"signal": "on a signal", "stop_at": "(train.stop_at)"}.get(reason) or (
-            f"(train.exit_duration: {self.recipe.train.exit_duration:g} min would pass before another step and its "
-            f"save; {elapsed / 60:.2f} min in)")
-        saved = "checkpoint written" if self._last_checkpoint else "no checkpoint"
-        self.metrics.print(f"stopped at step {self.step} {why}, {saved}; start again to resume")
+        t, e = self._last_train or {}, self._last_eval or {}
+        self.metrics.record("stop", step=self.step, reason=reason, checkpoint=self._last_checkpoint, elapsed_s=elapsed,
+                            train_s=self._train_s, tokens=self.step * self._tokens_per_step,
+                            train_loss=t.get("loss"), train_loss_step=t.get("step"), val_loss=e.get("val_loss"),
+                            val_loss_step=e.get("step"))
+        if reason != "done":
+            why = {"signal": "on a signal", "stop_at": "(train.stop_at)"}.get(reason) or (
+                f"(train.exit_duration: {self.recipe.train.exit_duration:g} min would pass before another step and its "
+                f"save; {elapsed / 60:.2f} min in)")
+            saved = "checkpoint written" if self._last_checkpoint else "no checkpoint"
+            self.metrics.print(f"stopped at step {self.step} {why}, {saved}; start again to resume")
+        self.metrics.print(end_summary(
+            name=self.recipe.run.name, finished=self.step >= self.recipe.train.steps, step=self.step, steps=self.recipe.train.steps, start_step=self.start_step,
+            tokens_per_step=self._tokens_per_step, elapsed_s=elapsed, train_s=self._train_s, train=self._last_train,
+            val=self._last_eval, checkpoint=self._last_checkpoint, run_dir=self.run_dir))
+
+    @property
+    def _tokens_per_step(self) -> int:
+        return self.recipe.train.global_batch_size * self.recipe.model.seq_length
 
     def close(self, *, failed: bool = False):
         """Tear down. After a failure a checkpoint still being written is abandoned (the other

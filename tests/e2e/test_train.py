@@ -57,6 +57,22 @@ def test_tiny_tp2_trains(tiny_reference):
     assert sum(name.endswith(".distcp") for name in names) == 2, names  # one file per rank
     assert json.loads((ckpt / "step_0000050" / "meta.json").read_text())["format"] == 3
     assert "step     50/50" in done.stdout and "val ppl" in done.stdout
+    # checkpoint.keep: 2 removes the older ones, and says so.
+    removed = {s: metrics["checkpoint"][s]["pruned"] for s in (10, 20, 30, 40, 50)}
+    assert removed == {10: [], 20: [], 30: [str(ckpt / "step_0000010")], 40: [str(ckpt / "step_0000020")],
+                       50: [str(ckpt / "step_0000030")]}
+    for step in (10, 20, 30):
+        assert f"removed checkpoint {ckpt / f'step_{step:07d}'} (checkpoint.keep: 2)" in done.stdout
+    # The run ends with its own summary (wandb's history and summary blocks are off).
+    val, end = metrics["eval"][50], done.stdout.rstrip().splitlines()[-5:]
+    assert end[0].startswith(f"reference finished: step 50 of 50, {50 * 8 * 64:,} tokens; ")
+    assert end[1:4] == [f"  train loss {train[50]['loss']:.4f} | ppl {math.exp(train[50]['loss']):.2f} (step 50)",
+                        f"  val loss {val['val_loss']:.4f} | val ppl {val['val_ppl']:.2f} (step 50)",
+                        f"  checkpoint {ckpt / 'step_0000050'}"]
+    stop = metrics["stop"][50]
+    assert (stop["reason"], stop["tokens"], stop["train_loss"], stop["val_loss"]) == (
+        "done", 50 * 8 * 64, train[50]["loss"], val["val_loss"])
+    assert 0 < train[1]["elapsed_s"] < train[50]["elapsed_s"] < stop["elapsed_s"]
     print(f"tiny reference run: {done.seconds:.1f} s; loss {first:.3f} -> {last:.3f}")
 
 
@@ -68,6 +84,7 @@ def test_wandb_offline(tiny_reference):
     assert len(offline) == 1 and (offline[0] / "files").is_dir(), offline
     assert (run_dir / "wandb_id").read_text().strip() in offline[0].name
     assert "wandb.init failed" not in done.stdout
+    assert "Run history" not in done.stdout + done.stderr and "Run summary" not in done.stdout + done.stderr
 
 
 def _data_fingerprint(data_dir: Path) -> str:
@@ -111,30 +128,39 @@ def test_tp1_matches_tp2(tiny_reference, tiny_data, runs_dir):
     assert grad_norms == pytest.approx([reference["train"][s]["grad_norm"] for s in range(1, 6)], rel=1e-4)
 
 
-def test_megatron_loss_matches(tiny_reference, tiny_data, runs_dir):
+@pytest.fixture(scope="module")
+def three_steps(tiny_data, runs_dir):
+    """run(impl): the metrics of the tiny recipe at TP=2 for 3 steps with that loss.impl, each impl
+    run once in this module (two tests compare against megatron's)."""
+    from cce_parallel.train.metrics import read_metrics
+
+    runs = {}
+
+    def run(impl):
+        if impl not in runs:
+            name = f"{impl}-3steps"
+            run_train(base_overrides(runs_dir, tiny_data, name) + [f"loss.impl={impl}", "train.stop_at=3"])
+            runs[impl] = read_metrics(runs_dir / name / "metrics.jsonl")
+        return runs[impl]
+
+    return run
+
+
+def test_megatron_loss_matches(tiny_reference, three_steps):
     """loss.impl=megatron (ColumnParallelLinear + vocab_parallel_cross_entropy) at TP=2: the same
     first loss, and close losses after a few steps."""
     _, reference, _ = tiny_reference
-    run_train(base_overrides(runs_dir, tiny_data, "megatron") + ["loss.impl=megatron", "train.stop_at=3"])
-    from cce_parallel.train.metrics import read_metrics
-
-    metrics = read_metrics(runs_dir / "megatron" / "metrics.jsonl")
+    metrics = three_steps("megatron")
     assert _losses(metrics, range(1, 4)) == pytest.approx(_losses(reference, range(1, 4)), rel=1e-4)
 
 
-def test_megatron_fused_loss_matches_megatron(tiny_data, runs_dir):
+def test_megatron_fused_loss_matches_megatron(three_steps):
     """loss.impl=megatron_fused (megatron-core's cross_entropy_loss_fusion, native: torch.compile'd on
     CPU) at TP=2 trains like loss.impl=megatron: the same forward math, so the same first loss (to
     fp32 rounding; measured equal); then the fused loss's logit gradient, which megatron-core hands
     back in bf16 even for fp32 logits, moves the weights a little differently: measured 2e-6 and
     7e-8 relative at steps 2 and 3 (megatron-core 0.16.1, torch 2.13 CPU)."""
-    from cce_parallel.train.metrics import read_metrics
-
-    runs = {}
-    for impl in ("megatron", "megatron_fused"):
-        name = f"{impl}-3steps"
-        run_train(base_overrides(runs_dir, tiny_data, name) + [f"loss.impl={impl}", "train.stop_at=3"])
-        runs[impl] = read_metrics(runs_dir / name / "metrics.jsonl")
+    runs = {impl: three_steps(impl) for impl in ("megatron", "megatron_fused")}
     assert runs["megatron"]["meta"][0]["loss_fusion"] is None
     assert runs["megatron_fused"]["meta"][0]["loss_fusion"] == "native"  # no Transformer Engine on CPU
     fused, unfused = _losses(runs["megatron_fused"], range(1, 4)), _losses(runs["megatron"], range(1, 4))
@@ -201,7 +227,7 @@ def test_extending_a_finished_run_warns_of_its_schedule(tiny_data, runs_dir):
     metrics = read_metrics(run_dir / "metrics.jsonl")
     change = metrics["schedule_change"][5]
     assert change["changed"] == {"optim.decay_steps": [3, 7]} and change["fix"] == "--set optim.decay_steps=3"
-    assert change["lr_checkpoint"] == min_lr
+    assert change["differs_at"] == 6 and change["lr_checkpoint"] == min_lr
     assert change["lr_recipe"] == metrics["train"][6]["lr"] > min_lr  # the number said is the step's lr
     for text in ("step_0000005", "optim.decay_steps 3 -> 7 (unset: it follows train.steps)", "Step 6",
                  f"{change['lr_recipe']:.3e}", f"{min_lr:.3e}", "--set optim.decay_steps=3"):
