@@ -2,7 +2,7 @@
 
     __main__.py           entry point: parse, build, train, tear down (console script ``cce-train``)
     launch.py             torchrun detection, device, environment (allocator, deterministic mode), process groups, seeds
-    model.py              megatron-core GPTModel with the CCE loss layer (or megatron's own)
+    gpt.py                the recipe's megatron-core GPTModel, with the CCE loss layer (or megatron's own)
     engine.py             DDP + optimizer + schedule: megatron-core's on CUDA; cpu.py's stand-ins on CPU
     data.py               prepared dataset, megatron GPT datasets, deterministic batches
     trainer.py            the loop: step, log, evaluate, checkpoint

@@ -217,7 +217,7 @@ def torch_fsdp(recipe: Recipe, model: torch.nn.Module, config):
     out: inside a unit of local layers it would be wrapped twice.
 
     The CCE output layer needs nothing special: FSDP2 hands it the gathered weight as a plain
-    tensor and reduce-scatters its .grad (gradient_accumulation_fusion is off, see model.py).
+    tensor and reduce-scatters its .grad (gradient_accumulation_fusion is off, see gpt.py).
     megatron's wrapper builds its device mesh for "cuda"; for a model on the CPU it is built for
     "cpu", the one difference.
     """
@@ -255,7 +255,7 @@ def megatron_fsdp(model: torch.nn.Module, config):
     in fp32 into fp32 shards, the optimizer updates fp32 main-weight shards and copies them into
     the bf16 weights. Tensor-parallel placements come from the parameters' megatron attributes
     (the output layer's are ColumnParallelLinear's). Gradient-accumulation fusion stays off (see
-    model.py): Megatron-FSDP takes the output layer's gradient from .grad."""
+    gpt.py): Megatron-FSDP takes the output layer's gradient from .grad."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 

@@ -86,7 +86,7 @@ def _build_stage(recipe: Recipe, *, rank: int, world: int, device: str, dtype, v
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from cce_parallel.train.model import build_gpt, count_parameters, transformer_config
+    from cce_parallel.train.gpt import build_gpt, count_parameters, transformer_config
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -121,7 +121,7 @@ def _build_stage(recipe: Recipe, *, rank: int, world: int, device: str, dtype, v
 def dry_run(recipe: Recipe, *, world_size: int | None = None, device: str | None = None, quiet: bool = False) -> dict:
     """Check the recipe for a world size, build each stage on meta, and report; returns the report."""
     from cce_parallel.train.launch import needed_world_size
-    from cce_parallel.train.model import flops_per_token, grad_accumulation_fusion, model_vocab_size
+    from cce_parallel.train.gpt import flops_per_token, grad_accumulation_fusion, model_vocab_size
 
     p, m, t = recipe.parallel, recipe.model, recipe.train
     world = world_size or needed_world_size(recipe)

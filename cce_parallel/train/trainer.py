@@ -29,7 +29,7 @@ from cce_parallel.train import checkpoint, grace, launch
 from cce_parallel.train.data import build_batches, prepare_on_rank0
 from cce_parallel.train.engine import build_engine, schedule_change
 from cce_parallel.train.metrics import MetricsLogger, end_summary, peak_memory_per_rank, peak_tflops
-from cce_parallel.train.model import (
+from cce_parallel.train.gpt import (
     build_gpt,
     count_parameters,
     flops_per_token,

@@ -52,7 +52,7 @@ def test_mtp_needs_cuda():
 def test_mtp_reaches_megatron_and_the_estimates():
     pytest.importorskip("megatron.core")
     from cce_parallel.train.estimate import dry_run
-    from cce_parallel.train.model import flops_per_token, transformer_config
+    from cce_parallel.train.gpt import flops_per_token, transformer_config
 
     plain = load_recipe(None)
     mtp = load_recipe(None, ["model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.2"])
@@ -75,7 +75,7 @@ def _step(recipe, batch, loss_mask):
     with the MTP losses attached: (main loss [b, s] × mask, logged MTP losses, grads by name)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
-    from cce_parallel.train.model import build_gpt, model_vocab_size, transformer_config
+    from cce_parallel.train.gpt import build_gpt, model_vocab_size, transformer_config
 
     torch.manual_seed(0)
     config = transformer_config(recipe, dtype=torch.float32, cpu_init=True)

@@ -74,7 +74,7 @@ def test_llama3_8b_recipe_is_llama_3_1_8b():
     original 8,192 positions, low/high frequency factors 1 and 4), RMSNorm, SwiGLU, no biases,
     untied; the vocabulary needs no padding at TP 8 (or TP 4)."""
     from cce_parallel.hf.convert import architecture, hf_config
-    from cce_parallel.train.model import model_vocab_size
+    from cce_parallel.train.gpt import model_vocab_size
 
     recipe = load_recipe(ROOT / "recipes" / "llama3-8b-owt.yaml")
     m = recipe.model
@@ -442,7 +442,7 @@ def test_recompute_keys_are_valid_megatron_configs():
     pytest.importorskip("megatron.core")
     import torch
 
-    from cce_parallel.train.model import transformer_config
+    from cce_parallel.train.gpt import transformer_config
 
     for model in (
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
@@ -518,7 +518,7 @@ def test_allocator_default_keeps_the_users_setting(monkeypatch, capsys):
 
 
 def test_deterministic_mode_reaches_megatron():
-    from cce_parallel.train.model import transformer_config
+    from cce_parallel.train.gpt import transformer_config
 
     for flag in (False, True):
         recipe = load_recipe(None, [f"train.deterministic={str(flag).lower()}"])
@@ -528,21 +528,21 @@ def test_deterministic_mode_reaches_megatron():
 def test_megatron_fused_turns_megatrons_loss_fusion_on(monkeypatch):
     """loss.impl=megatron_fused: GPTModel computes its loss with cross_entropy_loss_fusion; auto picks
     te only with Transformer Engine installed and CUDA available; te without TE names the key."""
-    from cce_parallel.train import model
+    from cce_parallel.train import gpt
 
     def config(*overrides):
         recipe = load_recipe(None, list(overrides))
-        c = model.transformer_config(recipe, dtype=torch.float32, cpu_init=True)
+        c = gpt.transformer_config(recipe, dtype=torch.float32, cpu_init=True)
         return c.cross_entropy_loss_fusion, c.cross_entropy_fusion_impl
 
     assert config() == config("loss.impl=megatron") == (False, "native")
     for te, cuda, expected in ((False, False, "native"), (True, False, "native"), (False, True, "native"),
                                (True, True, "te")):
-        monkeypatch.setattr(model, "have_te", lambda te=te: te)
+        monkeypatch.setattr(gpt, "have_te", lambda te=te: te)
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         assert config("loss.impl=megatron_fused") == (True, expected)
         assert config("loss.impl=megatron_fused", "loss.fusion_impl=native") == (True, "native")
-    monkeypatch.setattr(model, "have_te", lambda: False)
+    monkeypatch.setattr(gpt, "have_te", lambda: False)
     with pytest.raises(RecipeError, match="^loss.fusion_impl: te, but Transformer Engine is not installed"):
         config("loss.impl=megatron_fused", "loss.fusion_impl=te")
 

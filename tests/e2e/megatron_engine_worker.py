@@ -103,7 +103,7 @@ def main():
     from cce_parallel.train import checkpoint
     from cce_parallel.train.data import build_batches, prepare_on_rank0
     from cce_parallel.train.engine import build_engine
-    from cce_parallel.train.model import build_gpt, model_vocab_size, transformer_config
+    from cce_parallel.train.gpt import build_gpt, model_vocab_size, transformer_config
     from cce_parallel.train.trainer import forward_step
 
     info = prepare_on_rank0(recipe.data)

@@ -218,7 +218,7 @@ def _tied_embedding_in_its_own_unit(rank, world_size, report):
 
     from cce_parallel.config import Recipe
     from cce_parallel.train.engine import torch_fsdp
-    from cce_parallel.train.model import build_gpt, transformer_config
+    from cce_parallel.train.gpt import build_gpt, transformer_config
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     recipe = Recipe()

@@ -1,7 +1,7 @@
 """Activation recomputation (model.recompute_*) changes memory, not the math: the train job's
 GPTModel gives the same losses and gradients with and without it, on CPU (one gloo rank).
 
-The model is built by cce_parallel.train.model from a recipe, as the train job builds it, and
+The model is built by cce_parallel.train.gpt from a recipe, as the train job builds it, and
 each test checks that recomputation really ran (megatron's checkpoint function was called), so
 that a recipe key that silently did nothing would fail.
 
@@ -32,7 +32,7 @@ def one_rank():
 
 
 def _loss_and_grads(model_keys: dict, loss_impl: str, monkeypatch):
-    from cce_parallel.train.model import build_gpt, transformer_config
+    from cce_parallel.train.gpt import build_gpt, transformer_config
 
     recipe = recipe_from_dict({
         "model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
@@ -89,7 +89,7 @@ def test_recompute_gives_the_same_loss_and_gradients(one_rank, monkeypatch, loss
 
 
 def _decoder_input(model_keys: dict):
-    from cce_parallel.train.model import build_gpt, transformer_config
+    from cce_parallel.train.gpt import build_gpt, transformer_config
 
     recipe = recipe_from_dict({"model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4,
                                          "seq_length": 16, "attention": "sdpa", **model_keys},
@@ -120,7 +120,7 @@ def test_scale_embeddings_multiplies_the_decoder_input_by_sqrt_hidden(one_rank):
 def test_rope_scaling_factor_gives_llama3_frequencies(one_rank):
     """model.rope_scaling_factor: the rotary frequencies of Llama 3.1/3.2 (computed here from their
     definition: long wavelengths divided by the factor, short ones kept, a smooth ramp between)."""
-    from cce_parallel.train.model import build_gpt, transformer_config
+    from cce_parallel.train.gpt import build_gpt, transformer_config
 
     def inv_freq(factor):
         keys = {"rope_scaling_factor": factor} if factor else {}

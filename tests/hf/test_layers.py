@@ -21,7 +21,7 @@ def one_rank():
 def ours_from_hf(arch: str, hf):
     from cce_parallel.hf.convert import dict_reader
     from cce_parallel.hf.load import load_state
-    from cce_parallel.train.model import build_gpt, transformer_config
+    from cce_parallel.train.gpt import build_gpt, transformer_config
 
     recipe = tiny.recipe(arch)
     model = build_gpt(recipe, transformer_config(recipe, dtype=torch.float32, cpu_init=True),
@@ -76,7 +76,7 @@ def test_gemma2_window_and_softcap_matter(one_rank):
 
         from cce_parallel.hf.convert import dict_reader
         from cce_parallel.hf.load import load_state
-        from cce_parallel.train.model import build_gpt, transformer_config
+        from cce_parallel.train.gpt import build_gpt, transformer_config
 
         recipe = tiny.recipe("gemma2")
         recipe.model = dataclasses.replace(recipe.model, **change)

@@ -35,7 +35,7 @@ def shrunk():
 
 
 def build(recipe):
-    from cce_parallel.train.model import build_gpt, transformer_config
+    from cce_parallel.train.gpt import build_gpt, transformer_config
 
     return build_gpt(recipe, transformer_config(recipe, dtype=torch.float32, cpu_init=True),
                      vocab_size=tiny.VOCAB, device="cpu").eval()

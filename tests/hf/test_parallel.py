@@ -25,7 +25,7 @@ def _case(rank, arch, tp, pp, model_keys, hf_dir):
     from cce_parallel.config import recipe_from_dict
     from cce_parallel.hf.convert import hf_state
     from cce_parallel.hf.load import load_hf
-    from cce_parallel.train.model import build_gpt, transformer_config
+    from cce_parallel.train.gpt import build_gpt, transformer_config
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

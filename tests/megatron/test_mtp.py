@@ -59,7 +59,7 @@ def _build(setup, depths: int, device, cce: bool):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from cce_parallel.megatron import local_gpt_block_spec, use_cce
-    from cce_parallel.train.model import mtp_block_spec
+    from cce_parallel.train.gpt import mtp_block_spec
     from tests.megatron.gpt_setup import Built, make_config
 
     config = dataclasses.replace(make_config(setup), mtp_num_layers=depths)
