@@ -7,8 +7,8 @@
   the low-precision tests: the kernels must do no worse, plus a small epsilon.
 - ``rel_err``: relative Frobenius error, computed in float64.
 
-Per token n with target t and logits x = e @ c.T + bias:
-    z = softcap * tanh(x / softcap)  (or z = x)
+Per token n with target t and logits x = e @ c.T + bias, divided by the temperature T (1 unless given):
+    z = softcap * tanh(x / T / softcap)  (or z = x / T)
     lse = logsumexp(z)
     loss = lse - (1 - ls) * z_t - (ls / V) * sum_v z_v + z_loss * lse**2, and 0 where ignored.
 Reduction "mean" divides the sum by the number of non-ignored tokens (NaN when there are none).
@@ -33,10 +33,11 @@ class Outputs(NamedTuple):
     dbias: torch.Tensor | None
 
 
-def _options(ignore_index=-100, softcap=None, label_smoothing=0.0, z_loss=0.0, reduction="mean", **_ignored):
+def _options(ignore_index=-100, softcap=None, label_smoothing=0.0, z_loss=0.0, reduction="mean", temperature=1.0,
+             **_ignored):
     # Keyword options of linear_cross_entropy that the references do not use (impl, logits_budget,
     # return_lse) are dropped here, so callers can pass one options dict to both sides.
-    return ignore_index, softcap, label_smoothing, z_loss, reduction
+    return ignore_index, softcap, label_smoothing, z_loss, reduction, temperature
 
 
 def _upstream_weights(grad_loss, reduction, n_tokens, n_valid, device):
@@ -72,7 +73,7 @@ def oracle(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, chunk_siz
     chunk_size: tokens per chunk (None: all at once). Results do not depend on it.
     Returns float64 tensors; lse is returned in any case (0 where ignored).
     """
-    ignore_index, softcap, ls, z_loss, reduction = _options(**options)
+    ignore_index, softcap, ls, z_loss, reduction, temperature = _options(**options)
     f64 = torch.float64
     dim = e.shape[-1]
     vocab = c.shape[0]
@@ -103,6 +104,7 @@ def oracle(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, chunk_siz
             x = e64 @ c64.T
             if b64 is not None:
                 x = x + b64
+            x = x / temperature
             z = softcap * torch.tanh(x / softcap) if softcap is not None else x
             lse = torch.logsumexp(z, dim=-1)
             z_t = z.gather(1, torch.where(ok, t, 0).unsqueeze(1)).squeeze(1)
@@ -137,7 +139,7 @@ def plain_torch(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, weig
     Gradients come back in the input dtype, as autograd gives them. Not chunked: the logits are
     materialized (that is the point of the comparison).
     """
-    ignore_index, softcap, ls, z_loss, reduction = _options(**options)
+    ignore_index, softcap, ls, z_loss, reduction, temperature = _options(**options)
     dim = e.shape[-1]
     e_ = e.detach().reshape(-1, dim).requires_grad_()
     c_ = c.detach().requires_grad_()
@@ -147,7 +149,7 @@ def plain_torch(e, c, targets, bias=None, *, grad_loss=None, grad_lse=None, weig
     n_valid = int(valid.sum())
     with torch.enable_grad():
         logits = F.linear(e_, c_, b_)
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         if softcap is not None:
             z = softcap * torch.tanh(z / softcap)
         lse = torch.logsumexp(z, dim=-1)

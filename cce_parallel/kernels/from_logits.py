@@ -5,7 +5,7 @@ X = E[tokens] @ C[v_lo:v_hi]^T, into a buffer of bounded size (never the whole [
 the budget); these kernels then make one pass over it:
 
   _stats_from_logits_kernel, grid (cdiv(N, BLOCK_N), slices): for each row, over a slice of the
-      chunk's columns, z = softcap * tanh((x + bias) / softcap) (or x + bias), and the partials
+      chunk's columns, z = softcap * tanh(y / softcap) (or y), y = (x + bias) / temperature, and the partials
       max, sumexp (relative to that max), zt (the target's z if the target is in the slice) and
       zsum; written to row `split + slice` of [S, N] outputs, which ops/lean.py folds.
   _dz_from_logits_kernel, grid (cdiv(N, BLOCK_N), cdiv(Vc, BLOCK_V)): the loss gradient w.r.t. the
@@ -39,6 +39,7 @@ def _stats_from_logits_kernel(
     Zt_ptr,  # [S, N] fp32 out: z at the target (0 if not in the chunk)
     Zsum_ptr,  # [S, N] fp32 out: sum of z (dummy unless NEED_ZSUM)
     softcap,
+    inv_temp,
     split,
     N,
     v_lo,
@@ -69,7 +70,7 @@ def _stats_from_logits_kernel(
         mask_v = local < c_hi
         m = mask_n[:, None] & mask_v[None, :]
         z = tl.load(X_ptr + offs_n[:, None] * stride_xn + local[None, :], mask=m, other=0.0)
-        z, _t = activate(z, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+        z, _t = activate(z, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
         z = tl.where(mask_v[None, :], z, float("-inf"))
         m_new = tl.maximum(m_run, tl.max(z, axis=1))
         # A row that is all -inf so far keeps m = -inf: shift by 0 then, not by -inf (NaN).
@@ -101,6 +102,7 @@ def _dz_from_logits_kernel(
     Scale_ptr,  # [1] fp32 power of two the workspace is scaled by
     WS_ptr,  # [N, Vc] out: scale * dz, input dtype
     softcap,
+    inv_temp,
     N,
     v_lo,
     v_hi,
@@ -121,7 +123,7 @@ def _dz_from_logits_kernel(
     mask_v = rows < v_hi
     m = mask_n[:, None] & mask_v[None, :]
     z = tl.load(X_ptr + offs_n[:, None] * stride_xn + local[None, :], mask=m, other=0.0)
-    z, t = activate(z, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+    z, t = activate(z, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
     p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
     dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
     dz = dz * tl.load(Scale_ptr)
@@ -139,6 +141,7 @@ def _dz_rows_kernel(
     U_ptr,  # [N] fp32 uniform coefficient (dummy unless HAS_UNIFORM)
     Scale_ptr,  # [1] fp32 power of two dz is scaled by
     softcap,
+    inv_temp,
     N,
     V,
     stride_xn,  # row stride of X in fp32 elements; dz row n starts at the same byte
@@ -166,7 +169,7 @@ def _dz_rows_kernel(
         mask_v = rows < V
         m = mask_n[:, None] & mask_v[None, :]
         x = tl.load(X_ptr + offs_n[:, None] * stride_xn + rows[None, :], mask=m, other=0.0)
-        z, t = activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+        z, t = activate(x, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
         p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
         dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP) * scale
         tl.debug_barrier()
@@ -194,7 +197,8 @@ def stats_slices(n: int, cols: int, config, on_cuda: bool) -> int:
     return max(1, min(triton.cdiv(cols, bv), triton.cdiv(config.fwd_programs, n_blocks)))
 
 
-def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, slices, v_lo, v_hi, config):
+def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, slices, v_lo, v_hi, config,
+                      temperature=1.0):
     """Fold the fp32 logit chunk x [N, >= v_hi - v_lo] (columns = rows v_lo..v_hi of the shard) into
     rows split .. split + slices - 1 of the [S, N] partials mx, se, zt and zsum (zsum may be None),
     one row per slice of the chunk's columns."""
@@ -213,13 +217,15 @@ def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, sli
     dummy = mx
     _stats_from_logits_kernel[(triton.cdiv(N, bn), slices)](
         x, bias if bias is not None else dummy, targets, mx, se, zt, zsum if zsum is not None else dummy,
-        float(softcap) if softcap is not None else 1.0, split, N, v_lo, v_hi, per, x.stride(0), mx.stride(0),
+        float(softcap) if softcap is not None else 1.0, 1.0 / temperature, split, N, v_lo, v_hi, per, x.stride(0),
+        mx.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=zsum is not None,
         BLOCK_N=bn, BLOCK_V=bv, num_warps=4,
     )
 
 
-def dz_from_logits(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, *, softcap, v_lo, v_hi, config):
+def dz_from_logits(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, *, softcap, v_lo, v_hi, config,
+                   temperature=1.0):
     """ws[:, :v_hi - v_lo] = scale * d loss / d z for the fp32 logit chunk x (see the module doc)."""
     N = x.shape[0]
     if N == 0 or v_hi <= v_lo:
@@ -233,13 +239,14 @@ def dz_from_logits(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, *, 
     _dz_from_logits_kernel[(triton.cdiv(N, bn), triton.cdiv(v_hi - v_lo, bv))](
         x, bias if bias is not None else dummy, targets, lse, coef_a, coef_b,
         coef_u if coef_u is not None else dummy, scale, ws, float(softcap) if softcap is not None else 1.0,
-        N, v_lo, v_hi, x.stride(0), ws.stride(0),
+        1.0 / temperature, N, v_lo, v_hi, x.stride(0), ws.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
         BLOCK_N=bn, BLOCK_V=bv, num_warps=config.bwd_num_warps,
     )
 
 
-def dz_rows_in_place(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, grad_dtype, *, softcap, config):
+def dz_rows_in_place(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, grad_dtype, *, softcap, config,
+                     temperature=1.0):
     """Overwrite the fp32 logits x [N, >= V] (columns = rows 0..V-1 of the shard, V = len of the
     targets' shard: x.shape[1] unless the caller passes a narrower view) with scale * d loss / d z
     in grad_dtype, in place, and return that [N, V] view of x's memory (row stride in grad_dtype
@@ -257,7 +264,7 @@ def dz_rows_in_place(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, grad_
     _dz_rows_kernel[(triton.cdiv(N, config.rows_block_n),)](
         x, bias if bias is not None else dummy, targets, lse, coef_a, coef_b,
         coef_u if coef_u is not None else dummy, scale, float(softcap) if softcap is not None else 1.0,
-        N, V, x.stride(0),
+        1.0 / temperature, N, V, x.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
         G_DTYPE=_TL_DTYPES[grad_dtype], G_PER_F32=ratio, BLOCK_N=config.rows_block_n, BLOCK_V=config.rows_block_v,
         num_warps=config.rows_num_warps,

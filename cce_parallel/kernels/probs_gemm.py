@@ -56,6 +56,7 @@ def _logits_probs_kernel(
     Zt_ptr,  # [N] fp32: z at the target, written by the tile that holds it (the caller zeroes it)
     Zs_ptr,  # [N, T] fp32 out: each tile's sum of z (dummy unless NEED_ZSUM)
     softcap,
+    inv_temp,  # 1 / temperature
     start,  # the shard's first vocabulary row
     N,
     V,
@@ -115,7 +116,7 @@ def _logits_probs_kernel(
                 e_ptrs += BLOCK_D
                 c_ptrs += BLOCK_D
 
-        z, t = activate(acc, Bias_ptr, offs_v, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+        z, t = activate(acc, Bias_ptr, offs_v, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
         z = z + tl.where(mask_v, 0.0, float("-inf"))[None, :]  # an add: cheaper than a select per entry
         top = tl.max(z, axis=1)
         k = tl.floor((top * LOG2E + 0.5 * _BUCKET) / _BUCKET)
@@ -221,10 +222,10 @@ def _rows_kernel(
         tl.store(Zsum_ptr + rows, zsum, mask=mask_r)
 
 
-def logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config):
+def logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config, temperature=1.0):
     """W = exp(z - ref) (times 1 - tanh^2 with softcap) into out [N, V] (e's dtype, unit column
     stride), z the logits of e [N, D] against c [V, D] (+ bias, softcap), rows start .. start + V of
-    the vocabulary, and z at each target into zt (fp32 [N], zeroed by the caller: rows whose target
+    the vocabulary, z divided by `temperature` before the softcap, and z at each target into zt (fp32 [N], zeroed by the caller: rows whose target
     is not in this shard keep their 0; targets: contiguous [N], any integer dtype, as the caller
     got them, so that this GEMM needs no pass over them first); return (ref, sum_v exp(z - ref),
     sum_v z or None), fp32 [N]. ref is a multiple of BUCKET / log2(e) nats within 44 nats of each
@@ -248,8 +249,8 @@ def logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, con
     bv, stages = _FITTING.get(key, (config.probs_block_v, config.probs_num_stages))
     while True:
         try:
-            tiles, k_t, s_t, zs_t = _launch(e, c, bias, targets, start, out, zt, s, softcap, need_zsum, config, bv,
-                                            stages)
+            tiles, k_t, s_t, zs_t = _launch(e, c, bias, targets, start, out, zt, s, softcap, temperature, need_zsum,
+                                            config, bv, stages)
             break
         except OutOfResources:
             bv, stages = _smaller(bv, stages)
@@ -279,7 +280,7 @@ def _smaller(block_v: int, stages: int):
     raise OutOfResources(0, 0, "shared memory (no smaller tiling of the fused logits GEMM)")
 
 
-def _launch(e, c, bias, targets, start, out, zt, dummy, softcap, need_zsum, config, bv, stages):
+def _launch(e, c, bias, targets, start, out, zt, dummy, softcap, temperature, need_zsum, config, bv, stages):
     """One launch of _logits_probs_kernel with block_v = bv; returns (tiles, k_t, s_t, zs_t)."""
     n, d = e.shape
     v = c.shape[0]
@@ -297,7 +298,8 @@ def _launch(e, c, bias, targets, start, out, zt, dummy, softcap, need_zsum, conf
     programs = min(triton.cdiv(n, bn) * tiles, config.probs_programs)
     _logits_probs_kernel[(programs,)](
         e_in, c_in, bias if bias is not None else dummy, targets, w_out, k_t, s_t, zt, zs_t if need_zsum else dummy,
-        float(softcap) if softcap is not None else 1.0, start, n, v, d, tiles, e.stride(0), c.stride(0),
+        float(softcap) if softcap is not None else 1.0, 1.0 / temperature, start, n, v, d, tiles, e.stride(0),
+        c.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=need_zsum, TMA=tma,
         EVEN_D=d % bd == 0, PRECISION="ieee", BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PROGRAMS=programs,

@@ -2,9 +2,13 @@
 
 For a [BLOCK_N, BLOCK_V] tile of fp32 logits x (token rows offs_n, classifier rows `rows`):
 
-    z  = softcap * tanh((x + bias) / softcap)       (activate; z = x + bias without softcap)
+    y  = (x + bias) / temperature                   (activate, given inv_temp = 1 / temperature)
+    z  = softcap * tanh(y / softcap)                (activate; z = y without softcap)
     p  = exp(z - lse)                               (probs_tile)
     dz = (A p - B [v == target] - U) * (1 - tanh^2) (logit_grad)
+
+d loss / d x has the factor 1 / temperature too: the callers' coefficients A, B and U carry it
+(ops/common.coefficients), so that logit_grad needs no temperature.
 
 All offsets the callers pass are int64.
 """
@@ -32,10 +36,12 @@ def tanh(y):
 
 
 @triton.jit
-def activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """(z, t): z = the logits after bias and softcap, t = tanh((x + bias) / softcap) (0 without softcap)."""
+def activate(x, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(z, t): z = the logits after bias, temperature and softcap, t = tanh(y / softcap) (0 without
+    softcap), y = (x + bias) * inv_temp."""
     if HAS_BIAS:
         x = x + tl.load(Bias_ptr + rows, mask=mask_v, other=0.0).to(tl.float32)[None, :]
+    x = x * inv_temp
     if HAS_SOFTCAP:
         t = tanh(x / softcap)
         z = softcap * t

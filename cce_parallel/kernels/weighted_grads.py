@@ -36,7 +36,7 @@ from cce_parallel.kernels.tiles import activate, logit_grad, probs_tile
 
 @triton.jit
 def _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_ptr, A_ptr, B_ptr, U_ptr, scale,
-             softcap, D, stride_en, stride_cv, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+             softcap, inv_temp, D, stride_en, stride_cv, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
              HAS_UNIFORM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BLOCK_N, BLOCK_V] logit gradient of tokens offs_n and classifier rows `rows`, times
@@ -51,7 +51,7 @@ def _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_
                     mask=mask_v[:, None] & mask_k[None, :], other=0.0)
         x = tl.dot(e, tl.trans(c), x, input_precision=PRECISION)
     m = mask_n[:, None] & mask_v[None, :]
-    z, t = activate(x, Bias_ptr, rows, mask_v, softcap, HAS_BIAS, HAS_SOFTCAP)
+    z, t = activate(x, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
     p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
     dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
     return tl.where(m, dz * scale, 0.0).to(E_ptr.dtype.element_ty)
@@ -83,6 +83,7 @@ def _weighted_grads_kernel(
     DB_ptr,  # [V] out: written (dummy unless NEED_DB)
     DE_ptr,  # [N, D] out, contiguous: written (dummy unless NEED_DE)
     softcap,
+    inv_temp,
     N,
     V,
     D,
@@ -126,7 +127,8 @@ def _weighted_grads_kernel(
                     mask_n = offs_n < N
                     if _weighted_tokens(offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM):
                         g = _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_ptr, A_ptr,
-                                     B_ptr, U_ptr, scale, softcap, D, stride_en, stride_cv, HAS_BIAS, HAS_SOFTCAP,
+                                     B_ptr, U_ptr, scale, softcap, inv_temp, D, stride_en, stride_cv, HAS_BIAS,
+                                     HAS_SOFTCAP,
                                      HAS_UNIFORM, PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
                         if NEED_DC:
                             e_d = tl.load(E_ptr + offs_n[:, None] * stride_en + cols[None, :],
@@ -158,7 +160,8 @@ def _weighted_grads_kernel(
                         rows = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
                         mask_v = rows < V
                         g = _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_ptr, A_ptr,
-                                     B_ptr, U_ptr, scale, softcap, D, stride_en, stride_cv, HAS_BIAS, HAS_SOFTCAP,
+                                     B_ptr, U_ptr, scale, softcap, inv_temp, D, stride_en, stride_cv, HAS_BIAS,
+                                     HAS_SOFTCAP,
                                      HAS_UNIFORM, PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
                         c_d = tl.load(C_ptr + rows[:, None] * stride_cv + cols[None, :],
                                       mask=mask_v[:, None] & mask_d[None, :], other=0.0)
@@ -197,7 +200,7 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, softcap, add_dc):
+def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, softcap, temperature, add_dc):
     n, d = e.shape
     v = c.shape[0]
     # As the kernel counts them: dC tiles (or one column of them for dbias alone), then dE tiles.
@@ -212,7 +215,7 @@ def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, 
     _weighted_grads_kernel[grid](
         flag, e, c, bias if bias is not None else dummy, targets, lse, a, b, u if u is not None else dummy, scale,
         dc if dc is not None else dummy, db if db is not None else dummy, de if de is not None else dummy,
-        float(softcap) if softcap is not None else 0.0, n, v, d, e.stride(0), c.stride(0),
+        float(softcap) if softcap is not None else 0.0, 1.0 / temperature, n, v, d, e.stride(0), c.stride(0),
         dc.stride(0) if dc is not None else 0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=u is not None,
         NEED_DC=dc is not None, NEED_DB=db is not None, NEED_DE=de is not None, ADD_DC=add_dc,
@@ -220,7 +223,8 @@ def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, 
     )
 
 
-def weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=None, *, softcap, add_dc: bool):
+def weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=None, *, softcap, add_dc: bool,
+                   temperature=1.0):
     """If flag (int32 [1], on the device) is not 0: dC into dc (added to it where add_dc, else
     written), dbias written into db and dE written into de, of the logit gradient A p - B [target]
     - U over e's tokens (see the module docstring); dc, db and de may be None. Otherwise nothing
@@ -240,7 +244,7 @@ def weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=No
     blocks = _FITTING.get(key, CUDA_BLOCKS if e.is_cuda else CPU_BLOCKS)
     while True:
         try:
-            _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, softcap, add_dc)
+            _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, softcap, temperature, add_dc)
             return
         except OutOfResources:
             blocks = _FITTING[key] = _smaller(blocks)

@@ -194,7 +194,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
                     kernels.weighted_grads(flag, e_all, c, bias, targets, lse, a, b, u, scale,
                                            main if main is not None else dc, db, de if rounded_de else None,
-                                           softcap=cfg.softcap, add_dc=main is not None)
+                                           softcap=cfg.softcap, add_dc=main is not None, temperature=cfg.temperature)
                     if state is not None:
                         state.report(report, cfg.loss_scale, cfg.loss_scale_given)
             elif kind == "mask" and not low:

@@ -71,6 +71,7 @@ class LossConfig:
     loss_scale: float = 1.0  # the one-pass gradients are made for it (a bf16 dC: ops/upstream.py)
     loss_scale_given: bool = False  # the caller passed it: backwards' reports teach the default nothing
     fp32_grads: bool = False  # the one-pass dC and dE in fp32, as for a main_grad (see masked_weights_seen)
+    temperature: float = 1.0  # the logits are divided by it (before the softcap)
     defer_dc: bool = False  # dE in the forward (fp32), dC and dbias in the backward (per_token_weights_seen)
 
     @property
@@ -266,7 +267,11 @@ def token_loss(lse, zt, zsum, cfg: LossConfig):
 
 
 def coefficients(g_loss, g_lse, lse, cfg: LossConfig):
-    """Per-token A, B, U of d loss / d z (see the module docstring); U is None without smoothing."""
+    """Per-token A, B, U of d loss / d z (see the module docstring), times 1 / temperature (d z /
+    d x, before the softcap's factor, which the kernels apply); U is None without smoothing."""
+    if cfg.temperature != 1.0:
+        g_loss = g_loss * (1.0 / cfg.temperature)
+        g_lse = g_lse * (1.0 / cfg.temperature) if g_lse is not None else None
     a = g_loss * (1.0 + 2.0 * cfg.z_loss * lse) if cfg.z_loss else g_loss.clone()
     if g_lse is not None:
         a = a + g_lse

@@ -91,7 +91,7 @@ def _triton_usable(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
 
 def check_inputs(
     e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl, logits_budget="auto",
-    loss_scale=None, row_ranks=1, weights=None,
+    loss_scale=None, row_ranks=1, weights=None, temperature=1.0,
 ):
     """Raise a clear error for any malformed argument (no tensor data is read here).
 
@@ -109,6 +109,8 @@ def check_inputs(
         raise ValueError(f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
     if softcap is not None and (not _is_real(softcap) or not math.isfinite(softcap) or softcap <= 0):
         raise ValueError(f"softcap must be a finite positive number or None, got {softcap!r}")
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
     if not _is_real(label_smoothing) or not (0.0 <= label_smoothing < 1.0):
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     if not _is_real(z_loss) or not math.isfinite(z_loss) or z_loss < 0:
@@ -230,6 +232,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     weights: Optional[torch.Tensor] = None,
     state: Optional[UpstreamState] = None,
+    temperature: float = 1.0,
 ):
     """Cross-entropy of the logits e @ c.T (+ bias) without materializing them, on one device.
 
@@ -242,12 +245,13 @@ def linear_cross_entropy(
         softcap: Gemma 2 style soft-capping, logits become softcap * tanh(logits / softcap).
         label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy.
         z_loss: adds z_loss * lse**2 per token.
+        temperature: the logits are divided by it, before the softcap.
         The rest: as cce_parallel.linear_cross_entropy (parallel/api.py), without tensor parallelism.
     """
     return sharded_linear_cross_entropy(
         e, c, targets, bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
-        return_lse=return_lse, weights=weights, state=state,
+        return_lse=return_lse, weights=weights, state=state, temperature=temperature,
     )
 
 
@@ -268,6 +272,7 @@ def sharded_linear_cross_entropy(
     return_lse=False,
     weights=None,
     state: Optional[UpstreamState] = None,
+    temperature=1.0,
     comm: Collectives = SINGLE,
     vocab_start: int = 0,
     vocab_size: Optional[int] = None,
@@ -288,7 +293,7 @@ def sharded_linear_cross_entropy(
     check_inputs(
         e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
-        row_ranks=world if sequence_parallel else 1, weights=weights,
+        row_ranks=world if sequence_parallel else 1, weights=weights, temperature=temperature,
     )
     shard = c.shape[0]
     fused = fused_one_pass(e.dtype, softcap, label_smoothing)
@@ -345,6 +350,7 @@ def sharded_linear_cross_entropy(
     cfg = LossConfig(
         impl=impl,
         softcap=float(softcap) if softcap is not None else None,
+        temperature=float(temperature),
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
         vocab_size=vocab,

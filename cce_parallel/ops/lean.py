@@ -48,7 +48,8 @@ def local_stats(e, c, bias, targets, cfg: LossConfig):
     chunks of at most fwd_chunk_bytes: vocabulary chunks, each over blocks of tokens."""
     need_zsum = cfg.label_smoothing > 0
     if not cfg.use_triton:
-        return reference.forward_stats(e, c, bias, targets, cfg.softcap, need_zsum=need_zsum)
+        return reference.forward_stats(e, c, bias, targets, cfg.softcap, need_zsum=need_zsum,
+                                       temperature=cfg.temperature)
     from cce_parallel import kernels
 
     kcfg = cfg.kernel
@@ -71,7 +72,7 @@ def local_stats(e, c, bias, targets, cfg: LossConfig):
                 kernels.stats_from_logits(
                     xs, bias, targets[cols], cfg.softcap, part.mx[:, cols], part.se[:, cols], part.zt[:, cols],
                     part.zsum[:, cols] if need_zsum else None, split=split, slices=slices, v_lo=lo, v_hi=hi,
-                    config=kcfg,
+                    config=kcfg, temperature=cfg.temperature,
                 )
     return _combine(*part.rows(), SINGLE, dim=0)
 
@@ -84,7 +85,8 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
     block, else in an fp32 buffer of one chunk's rows. dc_out: an fp32 [V, D] tensor that dC is
     added to (not rounded) and returned as dC, or None."""
     if not cfg.use_triton:
-        de, dc, db = reference.backward(e, c, bias, targets, lse, a, b, u, cfg.softcap, dc_out=dc_out)
+        de, dc, db = reference.backward(e, c, bias, targets, lse, a, b, u, cfg.softcap, dc_out=dc_out,
+                                        temperature=cfg.temperature)
         return (de if need_de else None), dc, db
     from cce_parallel import kernels
 
@@ -118,7 +120,7 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
             kernels.dz_from_logits(
                 x[:k, : hi - lo], bias, targets[rows], lse[rows], a[rows], b[rows],
                 u[rows] if u is not None else None, scale, ws[:k], softcap=cfg.softcap, v_lo=lo, v_hi=hi,
-                config=kcfg,
+                config=kcfg, temperature=cfg.temperature,
             )
             if de is not None:
                 if fp16:

@@ -89,7 +89,8 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
         buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
         k = min(n, nt)
         first_stats = kernels.logits_probs(e[:k], c, bias, targets[:k], start, buf[:k, :v], zt[:k],
-                                           softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel)
+                                           softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel,
+                                           temperature=cfg.temperature)
     prepared = prepare()
     bad = _BadTargets(prepared[2], comm, watch)  # sent with the first block's statistics
     raw, targets = targets, prepared[0]
@@ -155,7 +156,8 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
                 ref, s, zs = first_stats
             else:
                 ref, s, zs = kernels.logits_probs(e_b, c, bias, raw[rows], start, x, zt[rows],
-                                                  softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel)
+                                                  softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel,
+                                                  temperature=cfg.temperature)
             m = ref
             if comm.world > 1:  # the ranks' statistics: one MAX and one SUM all-reduce
                 m, s, zt[rows], zs = _combine(ref, s, zt[rows], zs, comm, bad=bad)
@@ -208,6 +210,8 @@ def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b,
     from cce_parallel import kernels
 
     v = c.shape[0]
+    if cfg.temperature != 1.0:  # d z / d x = 1 / temperature (before the softcap's factor)
+        g_rows = g_rows * (1.0 / cfg.temperature)
     # Products in fp32, each rounded once. dC goes first, so that w E can sit in the memory of dE's
     # rows, which the GEMM below then writes.
     we = None
@@ -317,7 +321,8 @@ def _two_pass_products(x, e, c, bias, targets, g_rows, scale, cfg, lse, de_rows,
 
     a, b, u = coefficients(g_rows, None, lse, cfg)
     g = kernels.dz_rows_in_place(
-        x, bias, targets, lse, a, b, u, scale, e.dtype, softcap=cfg.softcap, config=cfg.kernel
+        x, bias, targets, lse, a, b, u, scale, e.dtype, softcap=cfg.softcap, config=cfg.kernel,
+        temperature=cfg.temperature,
     )
     if de_rows is not None:
         _mm_into(de_rows, g, c, accumulate=False)
@@ -344,6 +349,7 @@ def _stats_of_block(x, bias, targets, cfg, comm, bad=None):
     se, zt = torch.empty((slices, k), **f32), torch.empty((slices, k), **f32)
     zsum = torch.empty((slices, k), **f32) if need_zsum else None
     kernels.stats_from_logits(
-        x, bias, targets, cfg.softcap, mx, se, zt, zsum, split=0, slices=slices, v_lo=0, v_hi=v, config=cfg.kernel
+        x, bias, targets, cfg.softcap, mx, se, zt, zsum, split=0, slices=slices, v_lo=0, v_hi=v, config=cfg.kernel,
+        temperature=cfg.temperature,
     )
     return _combine(*_combine(mx, se, zt, zsum, SINGLE, dim=0), comm, bad=bad)

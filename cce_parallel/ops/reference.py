@@ -18,11 +18,14 @@ def _chunks(n: int, v: int):
         yield start, min(n, start + step)
 
 
-def _logits(e, c, bias, softcap):
-    """fp32 logits z of a token chunk, and tanh(x / softcap) (None without softcap)."""
+def _logits(e, c, bias, softcap, temperature=1.0):
+    """fp32 logits z of a token chunk (x = e c^T + bias, divided by the temperature, then the
+    softcap), and tanh(x / temperature / softcap) (None without softcap)."""
     x = (e @ c.t()).float()
     if bias is not None:
         x = x + bias.float()
+    if temperature != 1.0:
+        x = x * (1.0 / temperature)
     if softcap is None:
         return x, None
     t = torch.tanh(x / softcap)
@@ -38,14 +41,14 @@ def _target_mask(tgt, v):
     return onehot
 
 
-def forward_stats(e, c, bias, targets, softcap, *, need_zsum: bool):
+def forward_stats(e, c, bias, targets, softcap, *, need_zsum: bool, temperature=1.0):
     """Per-token (max, sumexp, zt, zsum) over the rows of c; the fp64 twin of ops.lean.local_stats."""
     n, v = e.shape[0], c.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
     mx, se, zt = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
     zsum = torch.empty(n, **f32) if need_zsum else None
     for lo, hi in _chunks(n, v):
-        z, _ = _logits(e[lo:hi], c, bias, softcap)
+        z, _ = _logits(e[lo:hi], c, bias, softcap, temperature)
         m = z.max(dim=1).values
         mx[lo:hi] = m
         se[lo:hi] = torch.exp(z - m[:, None]).sum(dim=1)
@@ -55,8 +58,9 @@ def forward_stats(e, c, bias, targets, softcap, *, need_zsum: bool):
     return mx, se, zt, zsum
 
 
-def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap, dc_out=None):
-    """(dE in fp32, dC and dbias in the input dtype); dz = A p - B onehot - U, through the softcap.
+def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap, dc_out=None, temperature=1.0):
+    """(dE in fp32, dC and dbias in the input dtype); dz = A p - B onehot - U, through the softcap
+    (the coefficients carry the temperature's 1 / T, ops/common.coefficients).
 
     dE stays fp32 so that tensor-parallel ranks can sum their partial dE before rounding. dc_out:
     an fp32 [V, D] tensor that dC is added to (unrounded) and returned as dC, or None.
@@ -66,7 +70,7 @@ def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap, dc_out=N
     dc = torch.zeros(c.shape, device=c.device, dtype=torch.float32)
     db = torch.zeros(v, device=c.device, dtype=torch.float32) if bias is not None else None
     for lo, hi in _chunks(n, v):
-        z, t = _logits(e[lo:hi], c, bias, softcap)
+        z, t = _logits(e[lo:hi], c, bias, softcap, temperature)
         dz = coef_a[lo:hi, None] * torch.exp(z - lse[lo:hi, None])
         dz -= torch.where(_target_mask(targets[lo:hi], v), coef_b[lo:hi, None], 0.0)
         if coef_u is not None:

@@ -20,6 +20,7 @@ def linear_cross_entropy(
     bias: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     softcap: Optional[float] = None,
+    temperature: float = 1.0,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     reduction: str = "mean",
@@ -45,6 +46,10 @@ def linear_cross_entropy(
         bias: optional classifier bias, [V] (or this rank's shard of it).
         ignore_index: targets equal to it contribute no loss and no gradient.
         softcap: Gemma 2 style soft-capping, logits become softcap * tanh(logits / softcap).
+        temperature: the logits are divided by it before the softcap: softcap * tanh(x / T / softcap)
+            with both. Everything (loss, lse, gradients) is of those logits, as a sampler at
+            temperature T sees them: e.g. the target log-probs of a rollout, -loss with
+            reduction="none". Finite and positive.
         label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy, over the full vocabulary.
         z_loss: adds z_loss * lse**2 per token (lse over the full vocabulary).
         reduction: "none" (fp32, shaped like targets), "sum" or "mean" (over non-ignored tokens;
@@ -96,9 +101,10 @@ def linear_cross_entropy(
             e, c, targets, bias, tp_group, vocab_range, sequence_parallel
         )
     options = dict(
-        bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
-        reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
-        return_lse=return_lse, weights=weights, state=state, c_main_grad=_main_grad_source(main_grad, c),
+        bias=bias, ignore_index=ignore_index, softcap=softcap, temperature=temperature,
+        label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget,
+        loss_scale=loss_scale, return_lse=return_lse, weights=weights, state=state,
+        c_main_grad=_main_grad_source(main_grad, c),
     )
     if tp_group is None:
         if vocab_range is not None or sequence_parallel:
@@ -114,7 +120,7 @@ def linear_cross_entropy(
         check_inputs(
             e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
             z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
-            row_ranks=world if sequence_parallel else 1, weights=weights,
+            row_ranks=world if sequence_parallel else 1, weights=weights, temperature=temperature,
         )
         if vocab_range is not None:
             if len(vocab_range) != 2 or not all(isinstance(x, int) for x in vocab_range):

@@ -591,9 +591,9 @@ def test_token_blocks_are_equal_and_fit_the_budget():
                 assert rows == 1 or rows * v * itemsize <= budget
 
 
-def _torch_logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config):
+def _torch_logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config, temperature=1.0):
     """A PyTorch stand-in for kernels.logits_probs (the interpreter runs Triton in fp32 only)."""
-    assert softcap is None and not need_zsum
+    assert softcap is None and not need_zsum and temperature == 1.0
     z = e.float() @ c.float().T + (bias.float() if bias is not None else 0.0)
     ref = z.max(dim=1).values
     p = torch.exp(z - ref[:, None])
@@ -628,9 +628,10 @@ def _torch_fold_rows(out, acc, rows, *, back):
                 acc[i], out[r] = x, 0
 
 
-def _torch_weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=None, *, softcap, add_dc):
-    """A PyTorch stand-in for kernels.weighted_grads (bf16 inputs; no bias, softcap or smoothing)."""
-    assert bias is None and softcap is None and u is None and db is None
+def _torch_weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=None, *, softcap, add_dc,
+                          temperature=1.0):
+    """A PyTorch stand-in for kernels.weighted_grads (bf16 inputs; no bias, softcap, temperature or smoothing)."""
+    assert bias is None and softcap is None and u is None and db is None and temperature == 1.0
     if not flag.item():
         return
     p = torch.exp(e.float() @ c.float().T - lse[:, None])
@@ -1381,7 +1382,7 @@ def test_weighted_grads_retries_smaller_tiles_when_shared_memory_runs_out(device
     assert module._smaller({"BLOCK_D": 64, "num_stages": 2}) == {"BLOCK_D": 32, "num_stages": 2}
     assert module._smaller({"BLOCK_D": 32, "num_stages": 2}) == {"BLOCK_D": 32, "num_stages": 1}
     real(first, flag, e, c, None, targets, lse, a, a, None, torch.ones(1, device=device), want, None, None,
-         None, False)
+         None, 1.0, False)
     assert dc.any() and rel_err(dc, want) < 1e-6  # the smaller tiles compute what the default ones do
     with pytest.raises(OutOfResources):
         module._smaller({"BLOCK_D": 32, "num_stages": 1})

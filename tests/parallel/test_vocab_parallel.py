@@ -150,7 +150,7 @@ CASES = {
             "bias-softcap-none",
             bias=True,
             logit_std=20.0,
-            options=(("softcap", 20.0), ("reduction", "none")),
+            options=(("softcap", 20.0), ("temperature", 0.7), ("reduction", "none")),
         ),
         Case(
             "smoothing-zloss-ignored-sum",
@@ -172,6 +172,7 @@ CASES = {
             options=(
                 ("ignore_index", -1),
                 ("softcap", 20.0),
+                ("temperature", 1.5),
                 ("label_smoothing", 0.1),
                 ("z_loss", 1e-3),
                 ("reduction", "mean"),
