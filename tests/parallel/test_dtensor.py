@@ -1,7 +1,9 @@
 """linear_cross_entropy with DTensor inputs, and under torch FSDP2, against single-process runs.
 
-CPU over gloo (tests/dist.py): one 2-rank group checks a 1-D mesh, one 4-rank group a 2-D mesh
-(dp x tp, in both orders), one 2-rank group FSDP2 training. Every rank builds the same seeded full
+CPU over gloo (tests/dist.py), one group per world size (spawning a group costs seconds), whose
+workers run their parts in turn, each test reading its part's results: the 2-rank group checks a
+1-D mesh and FSDP2 training, the 4-rank group a 2-D mesh (dp x tp, in both orders) and FSDP2 +
+TP training. Every rank builds the same seeded full
 inputs; the DTensor run's loss, and its gradients gathered with full_tensor(), must equal a plain
 single-process call of the same impl on the full tensors, and each gradient must be a DTensor
 placed like its input. Bad inputs must raise a ValueError naming the problem on every rank.
@@ -10,6 +12,7 @@ impl "torch" and one Triton impl ("cce", under the Triton interpreter) run; shap
 test_gpu_fsdp2_tp trains a GPT-style toy with FSDP2 + TP on 2 GPUs through torchrun/NCCL.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -308,18 +311,57 @@ def _mesh2_worker(rank, world, report):
     )
 
 
-def _failures(outcome) -> list:
+class _Part:
+    """The report a part of a group's worker gets: its case names prefixed with "part/"."""
+
+    def __init__(self, report, part):
+        self._report, self._part = report, part
+
+    def started(self, name):
+        self._report.started(f"{self._part}/{name}")
+
+    def result(self, name, value=None):
+        self._report.result(f"{self._part}/{name}", value)
+
+
+def _group_worker(rank, world, report):
+    """The parts of the group of this world size, in turn; one that raises is reported as
+    "part/worker" and the next one still runs."""
+    for part, worker in PARTS[world]:
+        try:
+            worker(rank, world, _Part(report, part))
+        except Exception:  # noqa: BLE001 - reported to the parent
+            report.result(f"{part}/worker", traceback.format_exc(limit=-6))
+
+
+@functools.cache
+def _group(world: int):
+    """One process group per world size, shared by the tests of its parts."""
+    return spawn(_group_worker, world, timeout=600.0 * len(PARTS[world]), collective_timeout=60.0)
+
+
+def _results(world: int, part: str) -> dict:
+    """name -> {rank: message} of one part's cases (None: passed)."""
+    prefix = f"{part}/"
+    return {k[len(prefix):]: v for k, v in _group(world).merged().items() if k.startswith(prefix)}
+
+
+def _failures(world: int, part: str) -> list:
+    outcome = _group(world)
     if not outcome.ok:
         return [outcome.describe()]
-    return [
-        f"{name} (rank {r}): {msg}" for name, per in outcome.merged().items() for r, msg in per.items() if msg
-    ]
+    return [f"{name} (rank {r}): {msg}" for name, per in _results(world, part).items() for r, msg in per.items() if msg]
+
+
+def _check_part(world: int, part: str, cases: int):
+    failures = _failures(world, part)
+    assert not failures, "\n".join(failures)
+    results = _results(world, part)
+    assert len([name for name, per in results.items() if 0 in per]) == cases, sorted(results)  # every case ran
 
 
 def test_dtensor_1d_mesh():
-    outcome = spawn(_mesh2_worker, 2, timeout=600.0, collective_timeout=60.0)
-    assert not _failures(outcome), "\n".join(_failures(outcome))
-    assert len(outcome.results(0)) == 1 + 6 * len(IMPLS) + 12  # every case ran
+    _check_part(2, "mesh2", 1 + 6 * len(IMPLS) + 12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,9 +432,7 @@ def _mesh4_worker(rank, world, report):
 
 
 def test_dtensor_2d_mesh():
-    outcome = spawn(_mesh4_worker, 4, timeout=600.0, collective_timeout=60.0)
-    assert not _failures(outcome), "\n".join(_failures(outcome))
-    assert len(outcome.results(0)) == 2 * 4 + 2 * len(IMPLS) + 2 + 3
+    _check_part(4, "mesh4", 2 * 4 + 2 * len(IMPLS) + 2 + 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,9 +509,7 @@ def _fsdp2_worker(rank, world, report):
 
 
 def test_fsdp2_training_matches_unsharded():
-    outcome = spawn(_fsdp2_worker, 2, timeout=600.0, collective_timeout=60.0)
-    assert not _failures(outcome), "\n".join(_failures(outcome))
-    assert len(outcome.results(0)) == 2 * len(IMPLS)
+    _check_part(2, "fsdp2", 2 * len(IMPLS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,9 +631,14 @@ def _fsdp_tp_cpu_worker(rank, world, report):
 
 
 def test_fsdp2_tp_2d_mesh_cpu():
-    outcome = spawn(_fsdp_tp_cpu_worker, 4, timeout=600.0, collective_timeout=60.0)
-    assert not _failures(outcome), "\n".join(_failures(outcome))
-    assert len(outcome.results(0)) == 2
+    _check_part(4, "fsdp-tp", 2)
+
+
+# The parts of each world size's group, in the order its worker runs them.
+PARTS = {
+    2: (("mesh2", _mesh2_worker), ("fsdp2", _fsdp2_worker)),
+    4: (("mesh4", _mesh4_worker), ("fsdp-tp", _fsdp_tp_cpu_worker)),
+}
 
 
 class _PrintReport:
