@@ -82,6 +82,9 @@ class CCEOptions:
     """One of ``cce_parallel.IMPLS``; the paper's pretraining choice by default."""
     softcap: float | None = None
     """Soft-capping of the logits, ``softcap · tanh(logit / softcap)``; None: off."""
+    temperature: float = 1.0
+    """The logits are divided by it before the softcap (a sampler's temperature: per-token losses
+    are then the negated target log-probs at that temperature)."""
     label_smoothing: float = 0.0
     """In [0, 1), over the full (padded) vocabulary. Megatron's GPT loss has none."""
     z_loss: float = 0.0
@@ -108,6 +111,8 @@ class CCEOptions:
             not _is_real(self.softcap) or not math.isfinite(self.softcap) or self.softcap <= 0
         ):
             raise ValueError(f"softcap must be a finite positive number or None, got {self.softcap!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature <= 0:
+            raise ValueError(f"temperature must be a finite positive number, got {self.temperature!r}")
         if not _is_real(self.label_smoothing) or not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if not _is_real(self.z_loss) or not math.isfinite(self.z_loss) or self.z_loss < 0:
@@ -125,6 +130,7 @@ class CCEOptions:
         return {
             "impl": self.impl,
             "softcap": self.softcap,
+            "temperature": self.temperature,
             "label_smoothing": self.label_smoothing,
             "z_loss": self.z_loss,
             "ignore_index": self.ignore_index,

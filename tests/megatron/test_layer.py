@@ -68,9 +68,9 @@ def _inputs(vocab=V, ignore=False, seed=0):
         {"softcap": 2.0},
         {"label_smoothing": 0.1, "z_loss": 1e-3},
         {"ignore": True},
-        {"bias": True, "softcap": 4.0},
+        {"bias": True, "softcap": 4.0, "temperature": 0.7},
     ],
-    ids=["plain", "softcap", "smoothing+zloss", "ignore_index", "bias+softcap"],
+    ids=["plain", "softcap", "smoothing+zloss", "ignore_index", "bias+softcap+temperature"],
 )
 def test_loss_and_grads_vs_oracle(impl, opts):
     opts = dict(opts)
@@ -366,6 +366,9 @@ def test_option_and_config_errors():
         CCEOptions(label_smoothing=1.0)
     with pytest.raises(ValueError, match="softcap"):
         CCEOptions(softcap=0.0)
+    for bad in (0.0, -1.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="temperature"):
+            CCEOptions(temperature=bad)
     with pytest.raises(ValueError, match="z_loss"):
         CCEOptions(z_loss=-1.0)
     with pytest.raises(ValueError, match="logits_budget"):
