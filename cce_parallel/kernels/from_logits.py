@@ -38,6 +38,7 @@ def _stats_from_logits_kernel(
     Sum_ptr,  # [S, N] fp32 out: sum exp(z - max)
     Zt_ptr,  # [S, N] fp32 out: z at the target (0 if not in the chunk)
     Zsum_ptr,  # [S, N] fp32 out: sum of z (dummy unless NEED_ZSUM)
+    Pz_ptr,  # [S, N] fp32 out: sum exp(z - max) z (dummy unless NEED_PZ)
     softcap,
     inv_temp,
     split,
@@ -50,6 +51,7 @@ def _stats_from_logits_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     NEED_ZSUM: tl.constexpr,
+    NEED_PZ: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -62,6 +64,7 @@ def _stats_from_logits_kernel(
     s_run = tl.zeros([BLOCK_N], tl.float32)
     zt_run = tl.zeros([BLOCK_N], tl.float32)
     zsum_run = tl.zeros([BLOCK_N], tl.float32)
+    pz_run = tl.zeros([BLOCK_N], tl.float32)
     c_lo = pid_c * cols_per_prog
     c_hi = tl.minimum(c_lo + cols_per_prog, v_hi - v_lo)
     for k0 in range(c_lo, c_hi, BLOCK_V):
@@ -75,7 +78,11 @@ def _stats_from_logits_kernel(
         m_new = tl.maximum(m_run, tl.max(z, axis=1))
         # A row that is all -inf so far keeps m = -inf: shift by 0 then, not by -inf (NaN).
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_run = s_run * tl.exp(m_run - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+        rescale = tl.exp(m_run - shift)
+        q = tl.exp(z - shift[:, None])
+        s_run = s_run * rescale + tl.sum(q, axis=1)
+        if NEED_PZ:  # z is -inf outside the slice, where q is 0
+            pz_run = pz_run * rescale + tl.sum(q * tl.where(mask_v[None, :], z, 0.0), axis=1)
         m_run = m_new
         # Columns past this slice's end belong to the next slice: they must not match the target.
         is_t = (rows[None, :] == tgt[:, None]) & mask_v[None, :]
@@ -88,6 +95,8 @@ def _stats_from_logits_kernel(
     tl.store(Zt_ptr + out, zt_run, mask=mask_n)
     if NEED_ZSUM:
         tl.store(Zsum_ptr + out, zsum_run, mask=mask_n)
+    if NEED_PZ:
+        tl.store(Pz_ptr + out, pz_run, mask=mask_n)
 
 
 @triton.jit
@@ -99,6 +108,7 @@ def _dz_from_logits_kernel(
     A_ptr,  # [N] fp32 coefficient of p
     B_ptr,  # [N] fp32 coefficient of the one-hot target
     U_ptr,  # [N] fp32 uniform coefficient (dummy unless HAS_UNIFORM)
+    H_ptr,  # [N] fp32 coefficient of p z, the entropy's (dummy unless HAS_ENTROPY)
     Scale_ptr,  # [1] fp32 power of two the workspace is scaled by
     WS_ptr,  # [N, Vc] out: scale * dz, input dtype
     softcap,
@@ -111,6 +121,7 @@ def _dz_from_logits_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_UNIFORM: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -125,7 +136,8 @@ def _dz_from_logits_kernel(
     z = tl.load(X_ptr + offs_n[:, None] * stride_xn + local[None, :], mask=m, other=0.0)
     z, t = activate(z, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
     p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
-    dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
+    dz = logit_grad(p, is_t, t, z, offs_n, mask_n, A_ptr, B_ptr, U_ptr, H_ptr, HAS_UNIFORM, HAS_SOFTCAP,
+                    HAS_ENTROPY)
     dz = dz * tl.load(Scale_ptr)
     tl.store(WS_ptr + offs_n[:, None] * stride_wn + local[None, :], dz.to(WS_ptr.dtype.element_ty), mask=m)
 
@@ -139,6 +151,7 @@ def _dz_rows_kernel(
     A_ptr,  # [N] fp32 coefficient of p
     B_ptr,  # [N] fp32 coefficient of the one-hot target
     U_ptr,  # [N] fp32 uniform coefficient (dummy unless HAS_UNIFORM)
+    H_ptr,  # [N] fp32 coefficient of p z, the entropy's (dummy unless HAS_ENTROPY)
     Scale_ptr,  # [1] fp32 power of two dz is scaled by
     softcap,
     inv_temp,
@@ -148,6 +161,7 @@ def _dz_rows_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_UNIFORM: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
     G_DTYPE: tl.constexpr,
     G_PER_F32: tl.constexpr,  # elements of G_DTYPE per fp32 element: 1 or 2
     BLOCK_N: tl.constexpr,
@@ -171,7 +185,8 @@ def _dz_rows_kernel(
         x = tl.load(X_ptr + offs_n[:, None] * stride_xn + rows[None, :], mask=m, other=0.0)
         z, t = activate(x, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
         p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
-        dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP) * scale
+        dz = logit_grad(p, is_t, t, z, offs_n, mask_n, A_ptr, B_ptr, U_ptr, H_ptr, HAS_UNIFORM, HAS_SOFTCAP,
+                        HAS_ENTROPY) * scale
         tl.debug_barrier()
         tl.store(g_ptr + g_row[:, None] + rows[None, :], dz.to(G_DTYPE), mask=m)
 
@@ -198,16 +213,17 @@ def stats_slices(n: int, cols: int, config, on_cuda: bool) -> int:
 
 
 def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, slices, v_lo, v_hi, config,
-                      temperature=1.0):
+                      temperature=1.0, pz=None):
     """Fold the fp32 logit chunk x [N, >= v_hi - v_lo] (columns = rows v_lo..v_hi of the shard) into
-    rows split .. split + slices - 1 of the [S, N] partials mx, se, zt and zsum (zsum may be None),
-    one row per slice of the chunk's columns."""
+    rows split .. split + slices - 1 of the [S, N] partials mx, se, zt, zsum and pz (zsum, pz may be
+    None; pz: sum exp(z - max) z, relative to the same max as se), one row per slice of the chunk's
+    columns."""
     N = x.shape[0]
     if N == 0 or v_hi <= v_lo:
         return
     if x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError("x must be fp32 with unit column stride")
-    if any(t is not None and (t.stride() != mx.stride() or t.shape != mx.shape) for t in (se, zt, zsum)):
+    if any(t is not None and (t.stride() != mx.stride() or t.shape != mx.shape) for t in (se, zt, zsum, pz)):
         raise ValueError("mx, se, zt, zsum must share shape and strides")
     if split + slices > mx.shape[0]:
         raise ValueError(f"partials have {mx.shape[0]} rows, need {split + slices}")
@@ -217,16 +233,18 @@ def stats_from_logits(x, bias, targets, softcap, mx, se, zt, zsum, *, split, sli
     dummy = mx
     _stats_from_logits_kernel[(triton.cdiv(N, bn), slices)](
         x, bias if bias is not None else dummy, targets, mx, se, zt, zsum if zsum is not None else dummy,
+        pz if pz is not None else dummy,
         float(softcap) if softcap is not None else 1.0, 1.0 / temperature, split, N, v_lo, v_hi, per, x.stride(0),
         mx.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_ZSUM=zsum is not None,
-        BLOCK_N=bn, BLOCK_V=bv, num_warps=4,
+        NEED_PZ=pz is not None, BLOCK_N=bn, BLOCK_V=bv, num_warps=4,
     )
 
 
 def dz_from_logits(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, *, softcap, v_lo, v_hi, config,
-                   temperature=1.0):
-    """ws[:, :v_hi - v_lo] = scale * d loss / d z for the fp32 logit chunk x (see the module doc)."""
+                   temperature=1.0, coef_h=None):
+    """ws[:, :v_hi - v_lo] = scale * d loss / d z for the fp32 logit chunk x (see the module doc);
+    coef_h: None, or the per-token coefficient of -p z (an entropy term, tiles.logit_grad)."""
     N = x.shape[0]
     if N == 0 or v_hi <= v_lo:
         return
@@ -238,10 +256,11 @@ def dz_from_logits(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, *, 
     dummy = lse
     _dz_from_logits_kernel[(triton.cdiv(N, bn), triton.cdiv(v_hi - v_lo, bv))](
         x, bias if bias is not None else dummy, targets, lse, coef_a, coef_b,
-        coef_u if coef_u is not None else dummy, scale, ws, float(softcap) if softcap is not None else 1.0,
+        coef_u if coef_u is not None else dummy, coef_h if coef_h is not None else dummy, scale, ws,
+        float(softcap) if softcap is not None else 1.0,
         1.0 / temperature, N, v_lo, v_hi, x.stride(0), ws.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
-        BLOCK_N=bn, BLOCK_V=bv, num_warps=config.bwd_num_warps,
+        HAS_ENTROPY=coef_h is not None, BLOCK_N=bn, BLOCK_V=bv, num_warps=config.bwd_num_warps,
     )
 
 
@@ -263,10 +282,11 @@ def dz_rows_in_place(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, grad_
     dummy = lse
     _dz_rows_kernel[(triton.cdiv(N, config.rows_block_n),)](
         x, bias if bias is not None else dummy, targets, lse, coef_a, coef_b,
-        coef_u if coef_u is not None else dummy, scale, float(softcap) if softcap is not None else 1.0,
+        coef_u if coef_u is not None else dummy, dummy, scale, float(softcap) if softcap is not None else 1.0,
         1.0 / temperature, N, V, x.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
-        G_DTYPE=_TL_DTYPES[grad_dtype], G_PER_F32=ratio, BLOCK_N=config.rows_block_n, BLOCK_V=config.rows_block_v,
+        HAS_ENTROPY=False, G_DTYPE=_TL_DTYPES[grad_dtype], G_PER_F32=ratio, BLOCK_N=config.rows_block_n,
+        BLOCK_V=config.rows_block_v,
         num_warps=config.rows_num_warps,
     )
     return g

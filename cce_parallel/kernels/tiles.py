@@ -5,7 +5,7 @@ For a [BLOCK_N, BLOCK_V] tile of fp32 logits x (token rows offs_n, classifier ro
     y  = (x + bias) / temperature                   (activate, given inv_temp = 1 / temperature)
     z  = softcap * tanh(y / softcap)                (activate; z = y without softcap)
     p  = exp(z - lse)                               (probs_tile)
-    dz = (A p - B [v == target] - U) * (1 - tanh^2) (logit_grad)
+    dz = (A p - B [v == target] - U - H p z) * (1 - tanh^2)   (logit_grad; H with an entropy term)
 
 d loss / d x has the factor 1 / temperature too: the callers' coefficients A, B and U carry it
 (ops/common.coefficients), so that logit_grad needs no temperature.
@@ -63,14 +63,18 @@ def probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, mask):
 
 @triton.jit
 def logit_grad(
-    p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM: tl.constexpr, HAS_SOFTCAP: tl.constexpr
+    p, is_t, t, z, offs_n, mask_n, A_ptr, B_ptr, U_ptr, H_ptr, HAS_UNIFORM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
 ):
-    """d loss / d x = (A p - B [v == target] - U), times the softcap's 1 - tanh^2."""
+    """d loss / d x = (A p - B [v == target] - U - H p z), times the softcap's 1 - tanh^2. The
+    entropy's part, -h p (z - E[z]) per token, is H = h here and h E[z] inside A."""
     a = tl.load(A_ptr + offs_n, mask=mask_n, other=0.0)
     b = tl.load(B_ptr + offs_n, mask=mask_n, other=0.0)
     dz = a[:, None] * p - tl.where(is_t, b[:, None], 0.0)
     if HAS_UNIFORM:
         dz -= tl.load(U_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+    if HAS_ENTROPY:
+        dz -= tl.load(H_ptr + offs_n, mask=mask_n, other=0.0)[:, None] * p * z
     if HAS_SOFTCAP:
         dz = dz * (1.0 - t * t)
     return dz

@@ -53,7 +53,7 @@ def _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_
     m = mask_n[:, None] & mask_v[None, :]
     z, t = activate(x, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
     p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
-    dz = logit_grad(p, is_t, t, offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM, HAS_SOFTCAP)
+    dz = logit_grad(p, is_t, t, z, offs_n, mask_n, A_ptr, B_ptr, U_ptr, A_ptr, HAS_UNIFORM, HAS_SOFTCAP, False)
     return tl.where(m, dz * scale, 0.0).to(E_ptr.dtype.element_ty)
 
 

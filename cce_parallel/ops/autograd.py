@@ -16,7 +16,15 @@ import torch
 
 from cce_parallel.ops import upstream
 from cce_parallel.ops.upstream import UpstreamState
-from cce_parallel.ops.common import Collectives, LossConfig, _BadTargets, _combine, coefficients, token_loss
+from cce_parallel.ops.common import (
+    Collectives,
+    LossConfig,
+    _BadTargets,
+    _combine,
+    coefficients,
+    entropy_coefficients,
+    token_loss,
+)
 from cce_parallel.ops.lean import lean_backward, local_stats
 from cce_parallel.ops.one_pass import one_pass
 
@@ -37,7 +45,8 @@ def _scaled(t, ratio, dtype):
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Per-token loss (times weights, if given) and log-sum-exp, fp32, for all n tokens (0 at
-    ignored ones), and the targets' counts (int64 [2], the first the number of kept tokens).
+    ignored ones), the targets' counts (int64 [2], the first the number of kept tokens), and with
+    cfg.entropy each token's entropy (fp32 [n], 0 at ignored ones; else an empty tensor).
 
     e: [n_rows, D] (this rank's rows under sequence parallelism, else all n); c: [V_shard, D], rows
     start .. start + V_shard of the vocabulary; bias: [V_shard] or None; targets: [n], the
@@ -64,22 +73,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 c_main_grad: Optional[Callable[[], torch.Tensor]] = None, state: Optional[UpstreamState] = None):
         ctx.set_materialize_grads(False)
         e_all = comm.gather_rows(e) if sequence_parallel else e
-        de = dc = db = None
+        de = dc = db = mean_z = None
         if state is not None:
             state.paths["one_pass" if cfg.one_pass else "lean"] += 1
         if cfg.one_pass:
             # defer_dc: dE alone, in fp32 (it scales per row, exactly); dC and dbias in the backward.
             fwd_cfg = dataclasses.replace(cfg, need_dc=False, need_db=False) if cfg.defer_dc else cfg
+            mean_z = torch.empty(e_all.shape[0], device=e.device, dtype=torch.float32) if cfg.entropy else None
             lse, zt, zsum, de, dc, db, prepared = one_pass(
                 e_all, c, bias, targets, weights, start, prepare, watch, fwd_cfg, comm,
-                main_grad=c_main_grad is not None or cfg.fp32_grads or cfg.defer_dc)
+                main_grad=c_main_grad is not None or cfg.fp32_grads or cfg.defer_dc, mean_z=mean_z)
             if de is not None:
                 de = _finish_de(de, comm, sequence_parallel)
         else:
             prepared = prepare()
             _BadTargets(prepared[2], comm, watch).send_now(comm)  # before the GEMMs (see _BadTargets)
-            m, se, zt, zsum = _combine(*local_stats(e_all, c, bias, prepared[0], cfg), comm)
+            mx, se, zt, zsum, pz = local_stats(e_all, c, bias, prepared[0], cfg)
+            m, se, zt, zsum, pz = _combine(mx, se, zt, zsum, comm, pz=pz)
             lse = m + torch.log(se)
+            mean_z = pz / se if pz is not None else None
         targets, keep, counts, grad_scale = prepared
         loss = torch.where(keep, token_loss(lse, zt, zsum, cfg), 0.0)
         unweighted = None
@@ -88,12 +100,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss = loss * weights
         ctx.cfg, ctx.comm, ctx.sp, ctx.c_main_grad, ctx.state = cfg, comm, sequence_parallel, c_main_grad, state
         ctx.save_for_backward(e_all, c, bias, targets, weights, unweighted, keep, counts, grad_scale, lse, de, dc,
-                              db)
+                              db, mean_z)
         ctx.mark_non_differentiable(counts)
-        return loss, torch.where(keep, lse, 0.0), counts
+        entropy = torch.where(keep, lse - mean_z, 0.0) if cfg.entropy else lse.new_empty(0)
+        return loss, torch.where(keep, lse, 0.0), counts, entropy
 
     @staticmethod
-    def backward(ctx, g_loss, g_lse, _g_counts):
+    def backward(ctx, g_loss, g_lse, _g_counts, g_entropy):
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "cce_parallel: double backward (create_graph=True, or differentiating a gradient of the loss) is "
@@ -102,7 +115,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         from cce_parallel import kernels
 
         (e_all, c, bias, targets, weights, unweighted, keep, counts, grad_scale, lse, de1, dc1,
-         db1) = ctx.saved_tensors
+         db1, mean_z) = ctx.saved_tensors
         cfg, comm, sp, state = ctx.cfg, ctx.comm, ctx.sp, ctx.state
         paths = state.paths if state is not None else Counter()
 
@@ -113,9 +126,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         e_dtype = c.dtype  # e and c share the dtype (checked in ops/functional.py)
         if g_lse is not None and not torch.count_nonzero(g_lse):
             g_lse = None  # lse was returned but nothing used it
+        if g_entropy is not None and (mean_z is None or not torch.count_nonzero(g_entropy)):
+            g_entropy = None  # likewise the entropy (the forward's gradients leave it out)
         g = g_loss.float() if g_loss is not None else lse.new_zeros(1).expand(n)
         dw = torch.where(keep, g, 0.0) * unweighted if unweighted is not None else None
-        stored = cfg.one_pass and g_lse is None  # the forward's gradients serve, scaled
+        stored = cfg.one_pass and g_lse is None and g_entropy is None  # the forward's gradients serve, scaled
         if stored and cfg.defer_dc:
             # The state knew that this loss's weights come in the backward only: dE (fp32, made in
             # the forward) scales per row exactly; dC and dbias take one more pass for the weights
@@ -243,7 +258,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             h_k = None if g_lse is None else torch.where(keep, g_lse.float(), 0.0)
             paths["lean"] += 1
             a, b, u = coefficients(of_unweighted(g_k), h_k, lse, cfg)
-            de, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=cfg.need_de)
+            k_ent = None
+            if g_entropy is not None:  # the entropy's part, -k p (z - E[z]): unweighted
+                a, k_ent = entropy_coefficients(a, torch.where(keep, g_entropy.float(), 0.0), mean_z, cfg)
+            de, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=cfg.need_de, h=k_ent)
             if de is not None:
                 de = _finish_de(de, comm, sp).to(e_dtype)
             if dc is not None and ctx.c_main_grad is not None:

@@ -9,6 +9,10 @@ so that, for upstream gradients g (of loss) and h (of lse),
 
     d/dz_v = A p_v - B [v == target] - U,   A = g (1 + 2 z_loss lse) + h,  B = g (1 - ls),  U = g ls / V.
 
+The entropy, H = lse - E[z] with E[z] = sum_v p_v z_v, adds for its upstream gradient k the term
+-k p_v (z_v - E[z]): k E[z] goes into A, and -k p_v z_v is one more per-entry term
+(entropy_coefficients; kernels/tiles.logit_grad).
+
 Under tensor parallelism each rank holds a shard of the vocabulary. Per token (block), the ranks
 combine their max with one all-reduce (MAX) and their rescaled sums, target logits and logit sums
 with one more (SUM) (_combine); dE is a partial sum, reduced in fp32; dC / dbias stay local. Each
@@ -72,6 +76,7 @@ class LossConfig:
     loss_scale_given: bool = False  # the caller passed it: backwards' reports teach the default nothing
     fp32_grads: bool = False  # the one-pass dC and dE in fp32, as for a main_grad (see masked_weights_seen)
     temperature: float = 1.0  # the logits are divided by it (before the softcap)
+    entropy: bool = False  # the forward also gives each token's entropy (sum p z in the statistics)
     defer_dc: bool = False  # dE in the forward (fp32), dC and dbias in the backward (per_token_weights_seen)
 
     @property
@@ -140,10 +145,11 @@ def dense_blocks(n: int, v: int, budget: int, bytes_per_logit: int, block_v: int
     return rows, logit_chunk(rows, v, budget, bytes_per_logit, block_v)
 
 
-def fused_one_pass(dtype: torch.dtype, softcap, label_smoothing: float) -> bool:
+def fused_one_pass(dtype: torch.dtype, softcap, label_smoothing: float, entropy: bool = False) -> bool:
     """Whether one_pass takes the fused GEMM (its buffer in the input dtype) rather than the
-    two-pass variant (fp32 buffer): not for fp16 inputs, nor softcap with label smoothing."""
-    return dtype != torch.float16 and not (softcap is not None and label_smoothing > 0)
+    two-pass variant (fp32 buffer): not for fp16 inputs, nor softcap with label smoothing, nor a
+    call that returns the entropy (its statistics pass sums p z; the fused GEMM does not)."""
+    return dtype != torch.float16 and not (softcap is not None and label_smoothing > 0) and not entropy
 
 
 def token_block(n: int, v: int, budget: int, itemsize: int) -> int:
@@ -177,27 +183,32 @@ def _mm_into(out, a, b, *, accumulate: bool, alpha: float = 1.0):
         torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
 
 
-def _combine(mx, se, zt, zsum, comm, dim=None, bad=None):
+def _combine(mx, se, zt, zsum, comm, dim=None, bad=None, pz=None):
     """Fold partial statistics: the kernel's [S, N] splits (dim=0), or ranks' [N] rows (comm).
 
-    Returns (max, sumexp relative to that max, zt, zsum). One MAX and one SUM all-reduce for ranks.
-    bad: a _BadTargets whose counts, the first time it comes here, ride along in the SUM.
+    Returns (max, sumexp relative to that max, zt, zsum, pz relative to that max), zsum and pz None
+    where not given (pz = sum exp(z - max) z, the entropy's). One MAX and one SUM all-reduce for
+    ranks. bad: a _BadTargets whose counts, the first time it comes here, ride along in the SUM.
     """
     m = mx.max(dim=0).values if dim is not None else comm.all_max_(mx.clone())
     safe = torch.where(torch.isfinite(m), m, 0.0)
-    scaled = se * torch.exp(mx - safe)
+    factor = torch.exp(mx - safe)
+    scaled = se * factor
+    pz = pz * factor if pz is not None else None
+    parts = [scaled, zt] + [t for t in (zsum, pz) if t is not None]
     if dim is not None:
-        return safe, scaled.sum(dim=0), zt.sum(dim=0), zsum.sum(dim=0) if zsum is not None else None
-    parts = [scaled, zt] + ([zsum] if zsum is not None else [])
-    slots = bad.take() if bad is not None else None
-    if slots is None:
-        packed = torch.stack(parts)
-        comm.all_sum_(packed)
-    else:  # one copy, as the stack is, with the counts' slots after the statistics
-        flat = comm.all_sum_(torch.cat([p.reshape(-1) for p in parts] + [slots]))
-        packed = flat[: -slots.numel()].view(len(parts), *scaled.shape)
-        bad.summed(flat[-slots.numel():])
-    return safe, packed[0], packed[1], packed[2] if zsum is not None else None
+        packed = [t.sum(dim=0) for t in parts]
+    else:
+        slots = bad.take() if bad is not None else None
+        if slots is None:
+            packed = comm.all_sum_(torch.stack(parts))
+        else:  # one copy, as the stack is, with the counts' slots after the statistics
+            flat = comm.all_sum_(torch.cat([p.reshape(-1) for p in parts] + [slots]))
+            packed = flat[: -slots.numel()].view(len(parts), *scaled.shape)
+            bad.summed(flat[-slots.numel():])
+    rest = iter(packed[2:])
+    return (safe, packed[0], packed[1], next(rest) if zsum is not None else None,
+            next(rest) if pz is not None else None)
 
 
 # fp32 holds every integer up to 2^24 exactly: a count travels as two such numbers.
@@ -264,6 +275,12 @@ def token_loss(lse, zt, zsum, cfg: LossConfig):
     if cfg.z_loss:
         loss = loss + cfg.z_loss * lse * lse
     return loss
+
+
+def entropy_coefficients(a, g_entropy, mean_z, cfg: LossConfig):
+    """(A + k E[z], k) for the entropy's upstream gradient k (times 1 / temperature, as A is)."""
+    k = g_entropy * (1.0 / cfg.temperature) if cfg.temperature != 1.0 else g_entropy
+    return (a + k * mean_z).contiguous(), k.contiguous()
 
 
 def coefficients(g_loss, g_lse, lse, cfg: LossConfig):

@@ -91,7 +91,7 @@ def _triton_usable(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
 
 def check_inputs(
     e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl, logits_budget="auto",
-    loss_scale=None, row_ranks=1, weights=None, temperature=1.0,
+    loss_scale=None, row_ranks=1, weights=None, temperature=1.0, return_entropy=False,
 ):
     """Raise a clear error for any malformed argument (no tensor data is read here).
 
@@ -111,6 +111,8 @@ def check_inputs(
         raise ValueError(f"softcap must be a finite positive number or None, got {softcap!r}")
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
     if not _is_real(label_smoothing) or not (0.0 <= label_smoothing < 1.0):
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     if not _is_real(z_loss) or not math.isfinite(z_loss) or z_loss < 0:
@@ -233,6 +235,7 @@ def linear_cross_entropy(
     weights: Optional[torch.Tensor] = None,
     state: Optional[UpstreamState] = None,
     temperature: float = 1.0,
+    return_entropy: bool = False,
 ):
     """Cross-entropy of the logits e @ c.T (+ bias) without materializing them, on one device.
 
@@ -246,12 +249,14 @@ def linear_cross_entropy(
         label_smoothing: in [0, 1), as in torch.nn.functional.cross_entropy.
         z_loss: adds z_loss * lse**2 per token.
         temperature: the logits are divided by it, before the softcap.
+        return_entropy: also return each token's entropy (see parallel/api.py).
         The rest: as cce_parallel.linear_cross_entropy (parallel/api.py), without tensor parallelism.
     """
     return sharded_linear_cross_entropy(
         e, c, targets, bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
         return_lse=return_lse, weights=weights, state=state, temperature=temperature,
+        return_entropy=return_entropy,
     )
 
 
@@ -273,6 +278,7 @@ def sharded_linear_cross_entropy(
     weights=None,
     state: Optional[UpstreamState] = None,
     temperature=1.0,
+    return_entropy=False,
     comm: Collectives = SINGLE,
     vocab_start: int = 0,
     vocab_size: Optional[int] = None,
@@ -294,9 +300,10 @@ def sharded_linear_cross_entropy(
         e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
         row_ranks=world if sequence_parallel else 1, weights=weights, temperature=temperature,
+        return_entropy=return_entropy,
     )
     shard = c.shape[0]
-    fused = fused_one_pass(e.dtype, softcap, label_smoothing)
+    fused = fused_one_pass(e.dtype, softcap, label_smoothing, return_entropy)
     # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/one_pass.py. Once the
     # caller's state has seen masked per-token weights in a backward, its per-token calls make dC
     # and dE in fp32 instead, so that their backwards can subtract the masked rows' part.
@@ -351,6 +358,7 @@ def sharded_linear_cross_entropy(
         impl=impl,
         softcap=float(softcap) if softcap is not None else None,
         temperature=float(temperature),
+        entropy=bool(return_entropy),
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
         vocab_size=vocab,
@@ -371,7 +379,7 @@ def sharded_linear_cross_entropy(
     # The kernels take row strides for e and c but assume unit strides elsewhere.
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
-    loss, lse, counts = LinearCrossEntropyFunction.apply(
+    loss, lse, counts, entropy = LinearCrossEntropyFunction.apply(
         e2.contiguous(), c_k, bias_k, t2, w2, vocab_start, prepare, check.watch, cfg, comm, sequence_parallel,
         c_main_grad, state,
     )
@@ -387,6 +395,5 @@ def sharded_linear_cross_entropy(
         loss = loss.sum()
     else:  # NaN when every token is ignored (or the weights sum to 0), as in PyTorch
         loss = loss.sum() / (counts[0] if w_sum is None else w_sum)
-    if return_lse:
-        return loss, lse.reshape(out_shape)
-    return loss
+    extra = ([lse.reshape(out_shape)] if return_lse else []) + ([entropy.reshape(out_shape)] if return_entropy else [])
+    return (loss, *extra) if extra else loss

@@ -17,39 +17,44 @@ class _Partials:
     At most `rows` rows are kept: when the next chunk would not fit, the rows so far are folded into
     the first one (as _combine does at the end), so that S does not grow with V / chunk."""
 
-    def __init__(self, rows: int, n: int, need_zsum: bool, device):
+    def __init__(self, rows: int, n: int, need_zsum: bool, device, need_pz: bool = False):
         f32 = dict(device=device, dtype=torch.float32)
         # Every launched slice writes all its rows (an empty slice writes max -inf, sums 0).
         self.mx = torch.full((rows, n), float("-inf"), **f32)
         self.se, self.zt = torch.zeros((rows, n), **f32), torch.zeros((rows, n), **f32)
         self.zsum = torch.zeros((rows, n), **f32) if need_zsum else None
+        self.pz = torch.zeros((rows, n), **f32) if need_pz else None
         self.used = 0
 
     def reserve(self, k: int) -> int:
         """The first of k free rows."""
         if self.used + k > self.mx.shape[0]:
-            mx = self.rows()[0]
+            mx, se, zt, zsum, pz = self.rows()
             m = mx.max(dim=0).values  # the true max: _combine's is 0 where it is not finite
-            _, self.se[0], self.zt[0], zsum = _combine(*self.rows(), SINGLE, dim=0)
+            _, self.se[0], self.zt[0], zsum, pz = _combine(mx, se, zt, zsum, SINGLE, dim=0, pz=pz)
             self.mx[0] = m
             if zsum is not None:
                 self.zsum[0] = zsum
+            if pz is not None:
+                self.pz[0] = pz
             self.used = 1
         first, self.used = self.used, self.used + k
         return first
 
     def rows(self):
         u = max(self.used, 1)
-        return self.mx[:u], self.se[:u], self.zt[:u], self.zsum[:u] if self.zsum is not None else None
+        return (self.mx[:u], self.se[:u], self.zt[:u], self.zsum[:u] if self.zsum is not None else None,
+                self.pz[:u] if self.pz is not None else None)
 
 
 def local_stats(e, c, bias, targets, cfg: LossConfig):
-    """(max, sumexp, zt, zsum) of each token over the rows of c (this rank's shard), from fp32 logit
-    chunks of at most fwd_chunk_bytes: vocabulary chunks, each over blocks of tokens."""
+    """(max, sumexp, zt, zsum, pz) of each token over the rows of c (this rank's shard), from fp32
+    logit chunks of at most fwd_chunk_bytes: vocabulary chunks, each over blocks of tokens. zsum
+    with label smoothing, pz (sum exp(z - max) z) with cfg.entropy, else None."""
     need_zsum = cfg.label_smoothing > 0
     if not cfg.use_triton:
         return reference.forward_stats(e, c, bias, targets, cfg.softcap, need_zsum=need_zsum,
-                                       temperature=cfg.temperature)
+                                       temperature=cfg.temperature, need_pz=cfg.entropy)
     from cce_parallel import kernels
 
     kcfg = cfg.kernel
@@ -58,7 +63,7 @@ def local_stats(e, c, bias, targets, cfg: LossConfig):
     slices = kernels.stats_slices(nt, vc, kcfg, e.is_cuda)
     # Room for a quarter of the chunk budget, and at least two chunks' rows.
     cap = max(2 * slices, min(max(1, -(-v // vc)) * slices, kcfg.fwd_chunk_bytes // 4 // (16 * max(n, 1))))
-    part = _Partials(cap, n, need_zsum, e.device)
+    part = _Partials(cap, n, need_zsum, e.device, need_pz=cfg.entropy)
     if n > 0 and v > 0:
         x = torch.empty((nt, vc), device=e.device, dtype=torch.float32)
         for lo in range(0, v, vc):
@@ -73,20 +78,23 @@ def local_stats(e, c, bias, targets, cfg: LossConfig):
                     xs, bias, targets[cols], cfg.softcap, part.mx[:, cols], part.se[:, cols], part.zt[:, cols],
                     part.zsum[:, cols] if need_zsum else None, split=split, slices=slices, v_lo=lo, v_hi=hi,
                     config=kcfg, temperature=cfg.temperature,
+                    pz=part.pz[:, cols] if cfg.entropy else None,
                 )
-    return _combine(*part.rows(), SINGLE, dim=0)
+    mx, se, zt, zsum, pz = part.rows()
+    return _combine(mx, se, zt, zsum, SINGLE, dim=0, pz=pz)
 
 
-def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=True, dc_out=None):
+def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=True, dc_out=None, h=None):
     """(dE fp32 partial over this rank's vocabulary or None, dC in c's dtype, dbias fp32 or None):
     per vocabulary chunk and block of tokens, the library GEMM recomputes the fp32 logits, one
     Triton pass turns them into the logit gradient (input dtype), and GEMMs add it to dE (fp32) and
     dC. dC is summed over all tokens before it is rounded: in one GEMM when the tokens form one
     block, else in an fp32 buffer of one chunk's rows. dc_out: an fp32 [V, D] tensor that dC is
-    added to (not rounded) and returned as dC, or None."""
+    added to (not rounded) and returned as dC, or None. h: None, or each token's coefficient of
+    -p z, an entropy term's (tiles.logit_grad)."""
     if not cfg.use_triton:
         de, dc, db = reference.backward(e, c, bias, targets, lse, a, b, u, cfg.softcap, dc_out=dc_out,
-                                        temperature=cfg.temperature)
+                                        temperature=cfg.temperature, coef_h=h)
         return (de if need_de else None), dc, db
     from cce_parallel import kernels
 
@@ -120,7 +128,7 @@ def lean_backward(e, c, bias, targets, lse, a, b, u, cfg: LossConfig, need_de=Tr
             kernels.dz_from_logits(
                 x[:k, : hi - lo], bias, targets[rows], lse[rows], a[rows], b[rows],
                 u[rows] if u is not None else None, scale, ws[:k], softcap=cfg.softcap, v_lo=lo, v_hi=hi,
-                config=kcfg, temperature=cfg.temperature,
+                config=kcfg, temperature=cfg.temperature, coef_h=h[rows] if h is not None else None,
             )
             if de is not None:
                 if fp16:

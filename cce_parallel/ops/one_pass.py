@@ -40,13 +40,14 @@ from cce_parallel.ops.common import (
 
 
 def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfig, comm, *, main_grad: bool = False,
-             dc_into=None):
+             dc_into=None, mean_z=None):
     """(lse, zt, zsum, dE, dC, dbias, prepared) with the gradients of sum_t g[t] * loss[t]: dE the
     fp32 partial sum over this rank's vocabulary (in e's dtype, rounded once, where dC is and the
     call has one rank: de_dtype below), dbias fp32, dC in c's dtype (fp32 where it goes into an
     fp32 `main_grad`, and on the paths dc_dtype below names); None where not needed. See the
     module docstring. dc_into: an fp32 [V, D] tensor that dC is added into rather than a new one
-    (with main_grad; a mask's correction, ops/autograd.py).
+    (with main_grad; a mask's correction, ops/autograd.py). mean_z: with cfg.entropy, an fp32 [n]
+    tensor that gets each token's sum over the vocabulary of p z (its entropy is lse - that).
 
     targets: the caller's (flat, contiguous), rows of c being vocabulary rows start ...
     prepare(): the targets' pass, prepared = (each token's row of c or -1, keep, counts,
@@ -76,7 +77,7 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
     n, d = e.shape
     v = c.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
-    fused = fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing)
+    fused = fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing, cfg.entropy)
     uniform = cfg.label_smoothing > 0
     # The same token blocks on every rank (each block's statistics are all-reduced), sized by the
     # largest shard.
@@ -160,7 +161,7 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
                                                   temperature=cfg.temperature)
             m = ref
             if comm.world > 1:  # the ranks' statistics: one MAX and one SUM all-reduce
-                m, s, zt[rows], zs = _combine(ref, s, zt[rows], zs, comm, bad=bad)
+                m, s, zt[rows], zs, _ = _combine(ref, s, zt[rows], zs, comm, bad=bad)
             if zsum is not None:
                 zsum[rows] = zs
             k = rows.stop - t0
@@ -172,7 +173,9 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
             )
             continue
         logits_into(x, e_b, c)
-        m, se, zt[rows], zs = _stats_of_block(x, bias, t_b, cfg, comm, bad)
+        m, se, zt[rows], zs, pz = _stats_of_block(x, bias, t_b, cfg, comm, bad)
+        if mean_z is not None:
+            mean_z[rows] = pz / se
         lse[rows] = m + torch.log(se)
         if zsum is not None:
             zsum[rows] = zs
@@ -337,7 +340,7 @@ def _fp32_out(t):
 
 
 def _stats_of_block(x, bias, targets, cfg, comm, bad=None):
-    """Global (max, sumexp, zt, zsum) of the tokens whose fp32 logits over the whole local
+    """Global (max, sumexp, zt, zsum, pz) of the tokens whose fp32 logits over the whole local
     vocabulary are x [k, V]: one statistics pass, then the ranks' all-reduces (_combine's `bad`)."""
     from cce_parallel import kernels
 
@@ -348,8 +351,10 @@ def _stats_of_block(x, bias, targets, cfg, comm, bad=None):
     mx = torch.empty((slices, k), **f32)
     se, zt = torch.empty((slices, k), **f32), torch.empty((slices, k), **f32)
     zsum = torch.empty((slices, k), **f32) if need_zsum else None
+    pz = torch.empty((slices, k), **f32) if cfg.entropy else None
     kernels.stats_from_logits(
         x, bias, targets, cfg.softcap, mx, se, zt, zsum, split=0, slices=slices, v_lo=0, v_hi=v, config=cfg.kernel,
-        temperature=cfg.temperature,
+        temperature=cfg.temperature, pz=pz,
     )
-    return _combine(*_combine(mx, se, zt, zsum, SINGLE, dim=0), comm, bad=bad)
+    m, se, zt, zsum, pz = _combine(mx, se, zt, zsum, SINGLE, dim=0, pz=pz)
+    return _combine(m, se, zt, zsum, comm, bad=bad, pz=pz)

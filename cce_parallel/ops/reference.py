@@ -41,24 +41,29 @@ def _target_mask(tgt, v):
     return onehot
 
 
-def forward_stats(e, c, bias, targets, softcap, *, need_zsum: bool, temperature=1.0):
-    """Per-token (max, sumexp, zt, zsum) over the rows of c; the fp64 twin of ops.lean.local_stats."""
+def forward_stats(e, c, bias, targets, softcap, *, need_zsum: bool, temperature=1.0, need_pz: bool = False):
+    """Per-token (max, sumexp, zt, zsum, pz) over the rows of c, pz = sum exp(z - max) z (None
+    unless need_pz, zsum likewise); the fp64 twin of ops.lean.local_stats."""
     n, v = e.shape[0], c.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
     mx, se, zt = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
     zsum = torch.empty(n, **f32) if need_zsum else None
+    pz = torch.empty(n, **f32) if need_pz else None
     for lo, hi in _chunks(n, v):
         z, _ = _logits(e[lo:hi], c, bias, softcap, temperature)
         m = z.max(dim=1).values
         mx[lo:hi] = m
-        se[lo:hi] = torch.exp(z - m[:, None]).sum(dim=1)
+        q = torch.exp(z - m[:, None])
+        se[lo:hi] = q.sum(dim=1)
+        if pz is not None:
+            pz[lo:hi] = torch.where(q > 0, q * z, 0.0).sum(dim=1)
         zt[lo:hi] = torch.where(_target_mask(targets[lo:hi], v), z, 0.0).sum(dim=1)
         if zsum is not None:
             zsum[lo:hi] = z.sum(dim=1)
-    return mx, se, zt, zsum
+    return mx, se, zt, zsum, pz
 
 
-def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap, dc_out=None, temperature=1.0):
+def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap, dc_out=None, temperature=1.0, coef_h=None):
     """(dE in fp32, dC and dbias in the input dtype); dz = A p - B onehot - U, through the softcap
     (the coefficients carry the temperature's 1 / T, ops/common.coefficients).
 
@@ -75,6 +80,8 @@ def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap, dc_out=N
         dz -= torch.where(_target_mask(targets[lo:hi], v), coef_b[lo:hi, None], 0.0)
         if coef_u is not None:
             dz -= coef_u[lo:hi, None]
+        if coef_h is not None:  # an entropy term: -h p z (its h E[z] is inside A)
+            dz -= coef_h[lo:hi, None] * torch.exp(z - lse[lo:hi, None]) * z
         if t is not None:
             dz *= 1.0 - t * t
         if db is not None:

@@ -28,6 +28,7 @@ def linear_cross_entropy(
     logits_budget: Union[str, int] = "auto",
     loss_scale: Optional[float] = None,
     return_lse: bool = False,
+    return_entropy: bool = False,
     weights: Optional[torch.Tensor] = None,
     state: Optional[UpstreamState] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
@@ -67,6 +68,11 @@ def linear_cross_entropy(
             (learned from its backwards), or 1 without a state. Finite and nonzero.
         return_lse: also return the per-token log-sum-exp (fp32, shaped like targets, 0 where
             ignored); it is differentiable.
+        return_entropy: also return each token's entropy of the softmax of its (tempered,
+            soft-capped) logits over the full vocabulary, lse - sum_v p_v z_v (fp32, shaped like
+            targets, 0 where ignored; not multiplied by weights); it is differentiable. Its sum
+            over the vocabulary is all-reduced with the statistics under tensor parallelism, never
+            gathered. A backward that uses it recomputes the gradients (the lean path), exact.
         weights: per-token weights known before the forward (a loss mask, SFT token weights, RL
             advantages), shaped like targets, any float dtype, any sign: each kept token's loss
             is multiplied by its weight, and the one-pass gradients are made for the weighted
@@ -93,7 +99,8 @@ def linear_cross_entropy(
     (sequence parallel). Gradients come back as DTensors placed like their inputs (parallel/dtensor.py).
 
     Returns:
-        loss, or (loss, lse) when return_lse; identical on every rank of tp_group.
+        loss, or (loss, lse) when return_lse, (loss, entropy) when return_entropy, (loss, lse,
+        entropy) with both; identical on every rank of tp_group.
     """
     dtensor_error = None
     if dtensor.any_dtensor(e, c, targets, bias):
@@ -103,7 +110,7 @@ def linear_cross_entropy(
     options = dict(
         bias=bias, ignore_index=ignore_index, softcap=softcap, temperature=temperature,
         label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget,
-        loss_scale=loss_scale, return_lse=return_lse, weights=weights, state=state,
+        loss_scale=loss_scale, return_lse=return_lse, return_entropy=return_entropy, weights=weights, state=state,
         c_main_grad=_main_grad_source(main_grad, c),
     )
     if tp_group is None:
@@ -121,6 +128,7 @@ def linear_cross_entropy(
             e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
             z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
             row_ranks=world if sequence_parallel else 1, weights=weights, temperature=temperature,
+            return_entropy=return_entropy,
         )
         if vocab_range is not None:
             if len(vocab_range) != 2 or not all(isinstance(x, int) for x in vocab_range):
