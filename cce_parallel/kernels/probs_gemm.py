@@ -224,10 +224,10 @@ def _rows_kernel(
 
 def logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config, temperature=1.0):
     """W = exp(z - ref) (times 1 - tanh^2 with softcap) into out [N, V] (e's dtype, unit column
-    stride), z the logits of e [N, D] against c [V, D] (+ bias, softcap), rows start .. start + V of
-    the vocabulary, z divided by `temperature` before the softcap, and z at each target into zt (fp32 [N], zeroed by the caller: rows whose target
-    is not in this shard keep their 0; targets: contiguous [N], any integer dtype, as the caller
-    got them, so that this GEMM needs no pass over them first); return (ref, sum_v exp(z - ref),
+    stride), z the logits of e [N, D] against c [V, D] (+ bias, divided by `temperature`, then the
+    softcap), rows start .. start + V of the vocabulary, and z at each target into zt (fp32 [N],
+    zeroed by the caller: rows whose target is not in this shard keep their 0; targets: contiguous
+    [N], any integer dtype, as the caller got them, so that this GEMM needs no pass over them first); return (ref, sum_v exp(z - ref),
     sum_v z or None), fp32 [N]. ref is a multiple of BUCKET / log2(e) nats within 44 nats of each
     row's largest z."""
     n, v = e.shape[0], c.shape[0]

@@ -148,7 +148,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 main = ctx.c_main_grad() if cfg.need_dc and ctx.c_main_grad is not None else None
                 prepared = (targets, keep, counts, torch.ones_like(grad_scale))
                 _, _, _, _, dc, db, _ = one_pass(e_all, c, bias, targets, of_unweighted(g_k), 0, lambda: prepared,
-                                                 lambda bad: None, dataclasses.replace(cfg, need_de=False), comm,
+                                                 lambda bad: None, _sweep_cfg(cfg), comm,
                                                  main_grad=main is not None)
                 if main is not None:
                     dc = _fp32_dc(dc, main, c.dtype)
@@ -226,7 +226,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     g_m = (g_m * weights[rows] if weights is not None else g_m).contiguous()
                     prepared = (targets[rows], keep[rows], counts, torch.ones_like(grad_scale))
                     _, _, _, _, _, db2, _ = one_pass(e_all[rows], c, bias, targets[rows], g_m, 0, lambda: prepared,
-                                                     lambda bad: None, dataclasses.replace(cfg, need_de=False), comm,
+                                                     lambda bad: None, _sweep_cfg(cfg), comm,
                                                      main_grad=True, dc_into=dc1)
                     if db1 is not None:
                         db = db1.add_(db2).mul_(ratio).to(bias.dtype)
@@ -271,6 +271,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if not cfg.need_dc or ctx.c_main_grad is not None:
             dc = None  # with c_main_grad, dC went into that buffer; c's .grad is left alone
         return de if cfg.need_de else None, dc, db, None, dw, None, None, None, None, None, None, None, None
+
+
+def _sweep_cfg(cfg: LossConfig) -> LossConfig:
+    """A backward's extra one-pass sweep (dC deferred, a mask's correction): dC and dbias alone,
+    without the entropy's statistics, so that it keeps the fused GEMM."""
+    return dataclasses.replace(cfg, need_de=False, entropy=False)
 
 
 def _finish_de(de, comm, sequence_parallel):

@@ -76,12 +76,13 @@ def backward(e, c, bias, targets, lse, coef_a, coef_b, coef_u, softcap, dc_out=N
     db = torch.zeros(v, device=c.device, dtype=torch.float32) if bias is not None else None
     for lo, hi in _chunks(n, v):
         z, t = _logits(e[lo:hi], c, bias, softcap, temperature)
-        dz = coef_a[lo:hi, None] * torch.exp(z - lse[lo:hi, None])
+        p = torch.exp(z - lse[lo:hi, None])
+        dz = coef_a[lo:hi, None] * p
         dz -= torch.where(_target_mask(targets[lo:hi], v), coef_b[lo:hi, None], 0.0)
         if coef_u is not None:
             dz -= coef_u[lo:hi, None]
         if coef_h is not None:  # an entropy term: -h p z (its h E[z] is inside A)
-            dz -= coef_h[lo:hi, None] * torch.exp(z - lse[lo:hi, None]) * z
+            dz -= coef_h[lo:hi, None] * p * z
         if t is not None:
             dz *= 1.0 - t * t
         if db is not None:

@@ -71,9 +71,9 @@ def test_entropy_and_its_gradient_match_float64(impl, name, used, device):
     assert rel(loss.cpu(), want_loss) < TOL and rel(entropy.cpu(), want_ent) < TOL
     for leaf, want in zip(leaves, want_grads):
         assert rel(leaf.grad.cpu(), want) < 5 * TOL
-    backwards = m.state.paths - m.state.paths.__class__({"one_pass": m.state.paths["one_pass"]})
+    backwards = {k for k in m.state.paths if k != "one_pass"}
     if used or impl == "torch" or name == "lean":
-        assert set(backwards) == {"lean"}, m.state.paths
+        assert backwards == {"lean"}, m.state.paths
     else:
         assert "lean" not in backwards, m.state.paths
 
@@ -118,24 +118,21 @@ def _tp_worker(rank, world, report, impls):
             x = random_inputs(lead, V, D, device=torch.device("cpu"), bias=True, ignore_frac=0.2, seed=7)
             options = {"softcap": 3.0, "temperature": 0.7, "reduction": "none"}
             g = torch.Generator().manual_seed(5)
-            n = x["targets"].numel()
             g_loss, g_ent = torch.randn(x["targets"].shape, generator=g), torch.randn(x["targets"].shape, generator=g)
             start, stop = RANGES[rank]
             rows = slice(rank * lead[0] // world, (rank + 1) * lead[0] // world) if sp else slice(None)
-            leaves = [x["e"][rows].detach().clone().requires_grad_(), x["c"][start:stop].detach().clone().requires_grad_(),
-                      x["bias"][start:stop].detach().clone().requires_grad_()]
+            leaves = [x["e"][rows], x["c"][start:stop], x["bias"][start:stop]]
+            leaves = [t.detach().clone().requires_grad_() for t in leaves]
             fn = functools.partial(cce_parallel.linear_cross_entropy, tp_group=group, vocab_range=(start, stop),
                                    sequence_parallel=sp, impl=impl, return_entropy=True, **options)
             loss, entropy = fn(leaves[0], leaves[1], x["targets"], bias=leaves[2])
             torch.autograd.backward([loss, entropy], [g_loss, g_ent])
-            ref = reference({k: x[k].reshape(-1, D) if k == "e" else x[k] for k in x}, options,
-                            g_loss.reshape(-1), g_ent.reshape(-1))
+            ref = reference(x, options, g_loss.reshape(-1), g_ent.reshape(-1))
             de = ref[2][0].reshape(*lead, D)[rows]
             errs = {"loss": rel(loss.reshape(-1), ref[0]), "entropy": rel(entropy.reshape(-1), ref[1]),
                     "de": rel(leaves[0].grad, de), "dc": rel(leaves[1].grad, ref[2][1][start:stop]),
                     "dbias": rel(leaves[2].grad, ref[2][2][start:stop])}
             report.result(name, errs)
-            assert n == x["targets"].numel()
 
 
 @pytest.mark.distributed
