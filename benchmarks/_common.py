@@ -468,23 +468,29 @@ def measure(make: Callable, e, c, t, *, device, ref=None, mem_key: str, trace: b
 
 
 def time_fwd_bwd(alive: list, e, c, t, args, *, device, flops: float, tflops_key: str,
-                 paired_to: str | None = None) -> None:
+                 paired_to: str | None = None, extra: list = ()) -> None:
     """Forward + backward time of every (res, loss_fn) in `alive` side by side (time_in_rounds, fresh
     gradients each call) into res["fwd_bwd"] and res[tflops_key]; with paired_to, fwd_bwd's
-    vs_<paired_to>_paired: the paired_ratio to the res whose "key" it is. After a fatal CUDA error,
-    FatalCudaError once every result is recorded."""
+    vs_<paired_to>_paired: the paired_ratio to the res whose "key" it is. `extra`: more (res, name, fn)
+    timed in the same rounds, fn() a whole timed unit (a forward alone, or one with its own backward), its
+    times into res[name]. After a fatal CUDA error, FatalCudaError once every result is recorded."""
     calls = [(i, lambda fn=fn: fn(e, c, t).backward()) for i, (_, fn) in enumerate(alive)]
+    calls += [(len(alive) + j, fn) for j, (_, _, fn) in enumerate(extra)]
     timed = time_in_rounds(calls, device=device, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
                            setup=functools.partial(clear_grad, e, c))
     ref = next((timed[i][0] for i, (r, _) in enumerate(alive) if r.get("key") == paired_to), [])
-    fatal = None
+    fatal, rows = None, [(res, "fwd_bwd") for res, _ in alive] + [(res, name) for res, name, _ in extra]
     for i, (times, exc) in timed.items():
-        res = alive[i][0]
+        res, name = rows[i]
         if exc is not None:
-            res.update(failure(exc, "fwd+bwd"))
+            res.update(failure(exc, name.replace("_", "+")))
             fatal = fatal or (res["error"] if is_fatal_cuda_error(exc) else None)
             continue
-        res["fwd_bwd"] = summarize_times(times)
+        if not times:  # a fatal error elsewhere stopped the rounds first
+            continue
+        res[name] = summarize_times(times)
+        if i >= len(alive):
+            continue
         res[tflops_key] = flops / (res["fwd_bwd"]["median_ms"] * 1e-3) / 1e12
         if paired_to:  # round by round (None where a round is short)
             res["fwd_bwd"][f"vs_{paired_to}_paired"] = paired_ratio(times, ref, round_sizes(args.repeats, args.rounds))
