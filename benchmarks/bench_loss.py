@@ -7,10 +7,21 @@ peak memory above the inputs, TFLOP/s, and loss / ∇E / ∇C error against an f
 
     python -m benchmarks loss [--shapes gemma2-2b,...] [--regimes trained,random] [--methods eager,ours,...]
     python -m benchmarks loss --cpu-smoke        # tiny shapes on the CPU: the plumbing
+
+Post-training objectives (_objectives.py), each for ours and the peers (--post-methods: ours[:<impl>], verl,
+liger, compile, eager), in the same rounds as ours' plain mean (ours:<impl>, added to the mean's methods,
+or alone without `mean`), at --temperature T:
+
+    python -m benchmarks loss --objectives rl,logprobs,score [--temperature 1.0] [--post-methods ours,verl,...]
+
+rl: -(logp · adv).mean() - 0.01 · entropy.mean(), forward + backward; logprobs: -(logp · adv).mean(), the
+same; score: per-token logp and entropy under torch.no_grad(), forward only, against ours' plain-mean forward
+alone (the row fwd:ours). `mean` (the default) is the rows above, unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import time
@@ -22,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import _common as C
+import _objectives as O
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +44,9 @@ MEMORY_CONVENTION = (
     "in MiB (2^20 B); the lower bound is the bytes of ∇E + ∇C; ours' from a call after the timed ones (the path "
     "its module settled on), the others' from the call after the accuracy call"
 )
+POST_MEMORY = (
+    "post-training rows: the same, of one call (rl, logprobs: forward + backward; score, fwd: the forward alone), "
+    "ours' from a call after the timed ones, the others' from the call after the accuracy call")
 # The calling patterns of `ours:<impl>/<pattern>`: how a training loop turns our loss into the scalar it
 # differentiates. r: random per-token weights in [0, 1); mask: 0 on the 10 % of the tokens where r < 0.1, 1
 # elsewhere (_draws). The first four give the per-token weights only in the backward (reduction="none"), the
@@ -204,8 +219,10 @@ def build_methods(keys: list[str]) -> list[Method]:
 # ---- Measuring -----------------------------------------------------------------------------------
 
 
-def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: int, sink: list) -> None:
-    """Measure one case; its dict goes into ``sink`` first, so a fatal error keeps what was measured."""
+def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: int, sink: list,
+             post: O.PostRun | None = None) -> None:
+    """Measure one case; its dict goes into ``sink`` first, so a fatal error keeps what was measured. With
+    post, its post-training rows too (out["post"]), timed in the same rounds as the methods."""
     N, V, D = shape.N, shape.V, shape.D
     bound = (N * D + V * D) * (torch.finfo(dtype).bits // 8)
     out = {"kind": "main", "shape": shape.name, "N": N, "V": V, "D": D, "regime": regime,
@@ -213,6 +230,10 @@ def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: in
            "input_bytes": bound + N * 8, "methods": {}}
     sink.append(out)
     t0 = time.perf_counter()
+    if post is not None:  # the objectives' torch.compile graphs: fresh per case
+        import torch._dynamo as dynamo
+
+        dynamo.reset()
     C.free_memory(device)
     e = ref = None
     stage = "inputs"
@@ -260,20 +281,73 @@ def run_case(shape: C.Shape, regime: str, methods, args, device, dtype, seed: in
         res.update(mine, wall_s=time.perf_counter() - t1)
         if fn is not None:
             alive.append((res, fn))
+    rows = _measure_post(post, out, e, c, t, device) if post is not None else []
+    extra = [(res, O.timing(res["objective"]), functools.partial(O.run, call, res["objective"], e, c, t))
+             for res, call in rows]
     t1 = time.perf_counter()
     try:  # against torch.compile round by round
         C.time_fwd_bwd(alive, e, c, t, args, device=device, flops=6.0 * N * V * D, tflops_key="fwd_bwd_tflops",
-                       paired_to="compile")
-        _settled_peaks(alive, e, c, t, device)
+                       paired_to="compile", extra=extra)
+        _settled_peaks([(res, fn, "fwd_bwd", functools.partial(_fwd_bwd, fn, e, c, t)) for res, fn in alive]
+                       + [(res, call, what, unit) for (res, call), (_, what, unit) in zip(rows, extra)], e, c, device)
     finally:
-        for res, fn in alive:
-            res["wall_s"] += (time.perf_counter() - t1) / len(alive)
+        for res, fn in alive + rows:
+            res["wall_s"] += (time.perf_counter() - t1) / len(alive + rows)
             paths = _paths(fn)
             if paths is not None:
                 res["paths"] = paths
-        del alive
+        if rows:
+            O.ratios(out["post"]["rows"], out["methods"].get(post.mean_key),
+                     C.round_sizes(args.repeats, args.rounds))
+        del alive, rows, extra
     del e, c, t, ref
     C.free_memory(device)
+
+
+def _measure_post(post: O.PostRun, out: dict, e, c, t, device) -> list:
+    """The post-training rows of one case into out["post"]["rows"] (O.measure: errors against each objective's
+    reference, peak memory), one objective's reference alive at a time; the (res, call) of those that ran."""
+    T = post.temperature
+    block = out["post"] = {"objectives": post.objectives, "temperature": T, "entropy_coef": O.ENTROPY_COEF,
+                           "adv_seed": O.ADV_SEED, "mean_key": post.mean_key, "ref": {}, "rows": {}}
+    alive, refs = [], {}
+    for objective, method in post.rows():
+        if objective not in refs:
+            refs.clear()
+            C.free_memory(device)
+            refs[objective] = _post_reference(objective, e, c, t, T, out)
+        t1 = time.perf_counter()
+        try:
+            res, call = O.measure(method, objective, e, c, t, temperature=T, ref=refs[objective], device=device)
+        except C.FatalCudaError as exc:
+            block["rows"][O.row_key(objective, method.key)] = exc.result
+            raise
+        block["rows"][res["key"]] = res
+        res["wall_s"] = time.perf_counter() - t1
+        if call is not None:
+            alive.append((res, call))
+    refs.clear()
+    C.free_memory(device)
+    return alive
+
+
+def _post_reference(objective: str, e, c, t, temperature: float, out: dict) -> dict | None:
+    """An objective's reference (O.reference: logp, entropy, and for rl and logprobs the objective and its
+    gradients), its summary in out["post"]["ref"]; fwd's is the plain mean's loss. None where it failed (in
+    out's setup_errors)."""
+    if objective == O.FWD:
+        return {"loss": out.get("ref_loss")}
+    try:
+        a, b = O.weights(objective, t) if objective in O.BACKWARD else (None, None)
+        ref = O.reference(e, c, t, temperature=temperature, a=a, b=b)
+    except Exception as exc:  # noqa: BLE001 - as the plain reference: say so, measure without it
+        out.setdefault("setup_errors", {})[f"fp32 reference {objective}"] = C.short_error(exc)
+        if C.is_fatal_cuda_error(exc):
+            raise C.FatalCudaError(str(exc)) from None
+        return None
+    out["post"]["ref"][objective] = {"loss": ref.get("loss"), "logp_mean": float(ref["logp"].mean()),
+                                     "entropy_mean": float(ref["entropy"].mean())}
+    return ref
 
 
 def _pattern_reference(upstream: str, e, c, t, out: dict):
@@ -289,18 +363,18 @@ def _pattern_reference(upstream: str, e, c, t, out: dict):
         C.free_memory(e.device)
 
 
-def _settled_peaks(alive: list, e, c, t, device) -> None:
-    """Our methods' fwd_bwd_mem_bytes again, from a call after the timed ones: measure() took it at the
-    second call, before the module had read what the first backward taught it (a GPU's report arrives a
-    call late), so a pattern whose first backward moves it to another path (/weighted, /unfolded) would
-    show the first path's peak."""
-    for res, fn in alive:
+def _settled_peaks(entries: list, e, c, device) -> None:
+    """Our methods' peak memory (res[f"{what}_mem_bytes"] of each (res, fn, what, unit), unit() one timed call) again,
+    from a call after the timed ones: measure() took it at the second call, before the module had read what
+    the first backward taught it (a GPU's report arrives a call late), so a pattern whose first backward
+    moves it to another path (/weighted, /unfolded) would show the first path's peak."""
+    for res, fn, what, unit in entries:
         if getattr(fn, "state", None) is None or res.get("status") != "ok":
             continue
         try:
-            res["fwd_bwd_mem_bytes"] = C.peak_bytes(lambda fn=fn: _fwd_bwd(fn, e, c, t), device=device)
+            res[f"{what}_mem_bytes"] = C.peak_bytes(unit, device=device)
         except Exception as exc:  # noqa: BLE001 - recorded as measure() records its failures
-            res.update(C.failure(exc, "fwd+bwd memory after the timed calls"))
+            res.update(C.failure(exc, f"{what.replace('_', '+')} memory after the timed calls"))
             if C.is_fatal_cuda_error(exc):
                 raise C.FatalCudaError(res["error"]) from None
         finally:
@@ -402,9 +476,48 @@ def render_markdown(data: dict) -> str:
                  for k, r in cs["methods"].items() if r.get("paths")]
         lines += ["Paths taken (each module's UpstreamState.paths, forwards and backwards by name, over every call "
                   "of the case: accuracy, memory, warm-up and timed):", "", *paths, ""] if paths else []
+        lines += post_markdown(cs)
     if data.get("aborted"):
         lines += [f"**run aborted:** {data['aborted']}", ""]
     return "\n".join(lines) + "\n"
+
+
+def post_markdown(cs: dict) -> list[str]:
+    """A case's post-training rows (out["post"]) as a table, with what they measure; [] where it has none."""
+    post, get = cs.get("post"), C.get
+    if not post:
+        return []
+    rows = []
+    for key, r in post["rows"].items():
+        status, what = r.get("status", "?"), O.timing(r["objective"])
+        if status not in ("ok", "unavailable"):
+            status = f"{status}{' (' + r['stage'] + ')' if r.get('stage') else ''}: {r.get('error', '')[:100]}"
+        elif status == "unavailable":
+            status = f"unavailable: {r.get('error', '')[:100]}"
+        base = "vs_fwd_paired" if r["objective"] == "score" else "vs_mean_paired"
+        rows.append([f"`{key}`", r.get("label", key), what.replace("_", "+"), C.fmt_num(get(r, what, "median_ms"), ".2f"),
+                     C.fmt_num(get(r, what, base), ".3f"), C.fmt_num(get(r, what, "vs_verl_paired"), ".3f"),
+                     C.fmt_mib(r.get(f"{what}_mem_bytes")), C.fmt_num(r.get("mem_vs_compile"), ".3f"),
+                     *(C.fmt_num(get(r, f"{x}_rel_err"), ".1e")
+                       for x in ("loss", "logp", "entropy", "grad_e", "grad_c")),
+                     status])
+    paths = [f"- `{k}`: " + ", ".join(f"{name} {n}" for name, n in r["paths"].items())
+             for k, r in post["rows"].items() if r.get("paths")]
+    ref = post.get("ref", {})
+    first = next(iter(ref.values()), None)
+    stats = (", ".join(f"{o} {v['loss']:.5g}" for o, v in ref.items() if v.get("loss") is not None)
+             + (f"; mean logp {first['logp_mean']:.4f}, mean entropy {first['entropy_mean']:.4f}" if first else ""))
+    lines = [f"#### Post-training objectives at T = {post['temperature']:g}", "", (
+        f"Each row's time over ours' plain mean (`{post.get('mean_key')}`, forward + backward; a score row: over "
+        "ours' training forward, `fwd:ours`) and over verl's of the same objective, paired per round as above; peak "
+        f"memory over torch.compile's of the same objective. adv ~ N(0, 1), seed {post.get('adv_seed')}; errors "
+        "against an fp32 reference (fp64 softmax statistics) of the same inputs: the objective's value, per-token "
+        "logp and entropy (‖x − ref‖ / ‖ref‖ over the tokens), ∇E and ∇C. "
+        + "; ".join(f"{o}: {O.OBJECTIVES[o]}" for o in post["objectives"]) + f". Reference: {stats}."), "",
+             *C.md_table(["row", "method", "timed", "ms", "× ours' mean (score: × ours' forward), paired",
+                          "× verl, paired", "MiB", "MiB × compile", "objective err", "logp err", "entropy err",
+                          "∇E err", "∇C err", "status"], rows), ""]
+    return lines + (["Paths taken by ours' post-training rows:", "", *paths, ""] if paths else [])
 
 
 # ---- Main ----------------------------------------------------------------------------------------
@@ -415,9 +528,38 @@ def parse_args(argv=None):
     p = C.arg_parser(__doc__, regimes="trained,random", methods=DEFAULT_METHODS, methods_help=methods_help, warmup=2)
     p.add_argument("--shapes", default=",".join(C.MODEL_SHAPES), help="model shapes (or NxVxD)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens N for the model shapes")
-    smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "tokens": 64,
-             "warmup": 1, "repeats": 3, "methods": "eager,ours:torch"}
-    return C.parse_run_args(p, argv, smoke)
+    p.add_argument("--objectives", default="mean",
+                   help="comma list: " + "; ".join(f"{k}: {v}" for k, v in O.OBJECTIVES.items()))
+    p.add_argument("--post-methods", default=O.POST_METHODS,
+                   help="the methods of rl, logprobs and score: ours[:<impl>] (ours: cce_kahan_full_c), verl, liger, "
+                        "compile, eager")
+    p.add_argument("--temperature", type=float, default=1.0, help="T of rl, logprobs and score (logits / T)")
+    smoke = {"shapes": ",".join(C.SMOKE_SHAPES), "tokens": 64, "warmup": 1, "repeats": 3, "methods": "eager,ours:torch",
+             "post_methods": O.SMOKE_POST_METHODS, "temperature": 0.7}
+    args = C.parse_run_args(p, argv, smoke)
+    args.objectives = C.csv_list(args.objectives)
+    unknown = [o for o in args.objectives if o not in O.OBJECTIVES]
+    if unknown or not args.objectives:
+        raise SystemExit(f"--objectives: unknown {unknown or 'none given'}; known: {', '.join(O.OBJECTIVES)}")
+    if not (args.temperature > 0 and args.temperature < float("inf")):
+        raise SystemExit(f"--temperature must be finite and positive, got {args.temperature}")
+    return args
+
+
+def post_run(args, device, dtype) -> tuple[O.PostRun | None, list[str]]:
+    """The run's post-training part (None without a post-training objective) and the keys of the mean's
+    methods: --methods with `mean`, and ours' plain mean (ours:<impl>) wherever a post-training objective runs
+    with ours, its ratios' base."""
+    keys = C.csv_list(args.methods) if "mean" in args.objectives else []
+    objectives = [o for o in O.POST if o in args.objectives]
+    if not objectives:
+        return None, keys
+    methods = O.build(C.csv_list(args.post_methods), device, dtype)
+    ours = next((m for m in methods if m.key == "ours"), None)
+    mean_key = f"ours:{ours.info.get('impl') or O.DEFAULT_IMPL}" if ours is not None else None
+    if mean_key and not ours.unavailable and mean_key not in keys:
+        keys.append(mean_key)
+    return O.PostRun(objectives, methods, args.temperature, mean_key), keys
 
 
 def main(argv=None) -> int:
@@ -433,10 +575,20 @@ def main(argv=None) -> int:
     shapes = [C.parse_shape(s, args.tokens, table) for s in C.csv_list(args.shapes)]
     # Shape-major order: a second regime of the same shape reuses compiled / autotuned kernels.
     cases = [(s, r) for s in shapes for r in args.regimes]
-    methods = build_methods(C.csv_list(args.methods))
-    meta = C.run_metadata(device, args, methods, ("liger-kernel", "cut-cross-entropy", "cce-parallel",
-                                                  "megatron-core", "numpy"), "bench_loss",
+    post, keys = post_run(args, device, dtype)
+    methods = build_methods(keys)
+    packages = ("liger-kernel", "cut-cross-entropy", "cce-parallel", "megatron-core", "numpy")
+    meta = C.run_metadata(device, args, methods, packages + (("verl",) if post else ()), "bench_loss",
                           flop_convention=FLOP_CONVENTION, memory_convention=MEMORY_CONVENTION)
+    if post is not None:
+        for m in post.methods:
+            print(f"[bench_loss] post-training {m.key:<13} {m.label}" + (
+                f"  UNAVAILABLE: {m.unavailable}" if m.unavailable else ""), flush=True)
+        meta["post"] = {"objectives": {o: O.OBJECTIVES[o] for o in post.objectives}, "temperature": post.temperature,
+                        "entropy_coef": O.ENTROPY_COEF, "adv_seed": O.ADV_SEED, "mean_key": post.mean_key,
+                        "memory_convention": POST_MEMORY,
+                        "methods": {m.key: {"label": m.label, "unavailable": m.unavailable, **m.info}
+                                    for m in post.methods}}
     data: dict = {"meta": meta, "cases": []}
     stem = C.out_stem(Path(args.out) if args.out else default_out, meta, args.tag)
     print(f"[bench_loss] {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
@@ -451,16 +603,28 @@ def main(argv=None) -> int:
         for i, (shape, regime) in enumerate(cases):
             print(f"[{time.monotonic() - start:6.0f}s] case {i + 1}/{len(cases)}: {shape.name} (N={shape.N}, "
                   f"V={shape.V}, D={shape.D}) {regime}", flush=True)
-            run_case(shape, regime, methods, args, device, dtype, args.seed + i, data["cases"])
+            run_case(shape, regime, methods, args, device, dtype, args.seed + i, data["cases"], post=post)
             for r in data["cases"][-1]["methods"].values():
                 print(f"  {r['key']:<28} {r['status']:<6} f+b {C.fmt_num(C.get(r, 'fwd_bwd', 'median_ms'), '.2f')} ms"
                       f"  ×compile {C.fmt_num(C.get(r, 'fwd_bwd', 'vs_compile_paired'), '.3f')}"
                       f"  {C.fmt_mib(r.get('fwd_bwd_mem_bytes'))} MiB  dE {C.fmt_num(C.get(r, 'grad_e_rel_err'), '.1e')}"
                       f"  dC {C.fmt_num(C.get(r, 'grad_c_rel_err'), '.1e')}  {r.get('error', '')[:100]}", flush=True)
+            for r in data["cases"][-1].get("post", {}).get("rows", {}).values():
+                what = O.timing(r["objective"])
+                print(f"  {r['key']:<28} {r['status']:<6} {what.replace('_', '+'):<7} "
+                      f"{C.fmt_num(C.get(r, what, 'median_ms'), '.2f')} ms"
+                      f"  ×mean {C.fmt_num(C.get(r, what, 'vs_mean_paired'), '.3f')}"
+                      f"  ×verl {C.fmt_num(C.get(r, what, 'vs_verl_paired'), '.3f')}"
+                      f"  {C.fmt_mib(r.get(f'{what}_mem_bytes'))} MiB"
+                      + "".join(f"  {name} {C.fmt_num(r.get(f'{x}_rel_err'), '.1e')}"
+                                for name, x in (("logp", "logp"), ("H", "entropy"), ("dE", "grad_e"), ("dC", "grad_c")))
+                      + f"  {r.get('error', '')[:100]}", flush=True)
             data["elapsed_s"] = time.monotonic() - start
             C.write_report(stem, data, render_markdown(data))  # partial results survive a killed run
 
     rc = C.run_guarded(run, data)
+    if post is not None:
+        O.close(post.methods)
     data["elapsed_s"] = time.monotonic() - start
     written = C.write_report(stem, data, render_markdown(data))
     print(f"[bench_loss] {data['elapsed_s']:.0f} s; wrote " + ", ".join(written), flush=True)
