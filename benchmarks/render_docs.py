@@ -573,6 +573,81 @@ def api_calling_patterns(stem: str | None = None, regime: str = "trained") -> st
         "ran (`loss.state.paths`, forwards and backwards by name: `UpstreamState` describes them).")])
 
 
+# The post-training run (`python -m benchmarks loss --objectives rl,logprobs,score`, benchmarks/README.md), e.g.
+# "h200_<yyyymmdd>_post", that post_training renders. Not in BLOCKS yet: once its files are committed, set this,
+# add post_training to BLOCKS and a <!-- render:post-training --> block to README.md or docs/performance.md.
+POST_TRAINING: str | None = None
+POST_OBJECTIVES = {"mean": "plain mean, for scale", "rl": "RL objective", "logprobs": "log-probs only",
+                   "score": "scoring, no grad"}
+
+
+def post_training(stem: str | None = None, regime: str = "trained") -> str:
+    """One table from a loss result with post-training rows (bench_loss --objectives; their times, ratios and
+    memory as _objectives.ratios stored them): per objective and model head, ours' time and its ratio over our
+    plain mean (a score row: over our training forward), verl's time and ours over it (paired), torch.compile's
+    time and peak memory and ours' memory over it, liger's time; first our plain mean, for scale."""
+    stem = stem or POST_TRAINING
+    if stem is None:
+        raise SystemExit("render --docs: post-training has no result yet: run `python -m benchmarks loss --objectives "
+                         "rl,logprobs,score`, commit its files and set render_docs.POST_TRAINING to their stem")
+    data = load(stem)
+    meta = data["meta"]
+    cs = {c["shape"]: c for c in data["cases"] if c["kind"] == "main" and c["regime"] == regime and c.get("post")}
+    shapes = [s for s in SHAPES if s in cs] + [s for s in cs if s not in SHAPES]
+    if not shapes:
+        raise SystemExit(f"post-training: {stem} has no {regime} case with post-training rows")
+
+    def row(s, objective, method):
+        return cs[s]["post"]["rows"].get(f"{objective}:{method}") or {}
+
+    def what(objective):
+        return "fwd_bwd" if objective in ("mean", "rl", "logprobs") else "fwd"
+
+    def t(r, objective, key="median_ms", fmt=ms):
+        v = C.get(r, what(objective), key)
+        return fmt(v) if v is not None else "–"
+
+    def mib(r, objective):
+        return C.fmt_mib(r.get(f"{what(objective)}_mem_bytes"))
+
+    rows = []
+    for objective in ("mean", *(o for o in POST_OBJECTIVES if o in meta.get("post", {}).get("objectives", {}))):
+        for s in shapes:
+            if objective == "mean":
+                mean = cs[s]["post"].get("mean_key")
+                ours, comp = cs[s]["methods"].get(mean) or {}, cs[s]["methods"].get("compile") or {}
+                m_ratio = (ours.get("fwd_bwd_mem_bytes") / comp["fwd_bwd_mem_bytes"]
+                           if ours.get("fwd_bwd_mem_bytes") and comp.get("fwd_bwd_mem_bytes") else None)
+                rows.append([POST_OBJECTIVES[objective], SHAPES.get(s, s), t(ours, objective), "–", "–", "–",
+                             f"{t(comp, objective)} ({mib(comp, objective)} MiB)" if comp else "–",
+                             x(m_ratio, 3) if m_ratio else "–", "–"])
+                continue
+            ours, verl, comp, liger = (row(s, objective, k) for k in ("ours", "verl", "compile", "liger"))
+            base = "vs_fwd_paired" if objective == "score" else "vs_mean_paired"
+            rows.append([POST_OBJECTIVES[objective], SHAPES.get(s, s), t(ours, objective),
+                         t(ours, objective, base, x), t(verl, objective), t(ours, objective, "vs_verl_paired", x),
+                         f"{t(comp, objective)} ({mib(comp, objective)} MiB)" if comp.get(what(objective)) else "–",
+                         x(ours["mem_vs_compile"], 3) if ours.get("mem_vs_compile") else "–", t(liger, objective)])
+    post, c0 = meta.get("post", {}), cs[shapes[0]]
+    methods = post.get("methods", {})
+    liger = methods.get("liger", {})
+    verl = methods.get("verl", {})
+    return "\n".join([header(stem), *C.md_table(
+        ["objective", "head", "ours ms", "× our plain mean (scoring: × our forward)", "verl ms", "ours × verl",
+         "torch.compile ms (peak)", "ours' peak × compile's", "liger ms"], rows), "", wrap(
+        f"N = {c0['N']:,} tokens, {c0['dtype']}, {regime} data, temperature {post.get('temperature', 1.0):g}, "
+        f"{meta['device']}, commit {meta['git_commit'][:7]} (`benchmarks/results/{stem}.md`), all in one run. RL "
+        f"objective: -(logp · adv).mean() - {post.get('entropy_coef', 0.01):g} · entropy.mean(), adv ~ N(0, 1); "
+        "log-probs only: -(logp · adv).mean(); both forward + backward (∇E and ∇C). Scoring: per-token log-probs "
+        "and entropy under torch.no_grad(), against our training forward (the plain mean's forward alone). Ratios "
+        "paired: per round the ratio of the two medians, the median over "
+        f"{meta['rounds']} rounds. Ours: `LinearCrossEntropy(impl=\"{methods.get('ours', {}).get('impl')}\")`, the "
+        "advantages and the entropy's weight given to the forward (`weights=`, `entropy_weights=`); verl "
+        f"{verl.get('version') or '?'}: its fused linear cross-entropy (Triton); liger-kernel "
+        f"{liger.get('version') or '?'}: `LigerFusedLinearScaledCrossEntropyTPFunction` on one rank, its "
+        f"{liger.get('path') or '?'}; torch.compile of the same math. Peak memory: above the inputs, of one call.")])
+
+
 def recipe_keys() -> str:
     """docs/recipes.md: every recipe key from the schema's dataclasses (cce_parallel.config.reference)."""
     from cce_parallel.config.reference import recipe_reference

@@ -1,12 +1,16 @@
 """benchmarks/bench_loss.py's post-training objectives (`loss --objectives rl,logprobs,score`, _objectives.py):
 the reference is the objective the issue states, a CPU smoke run records every row with sane errors and its
-ratios, and verl's kernel files load without verl's package."""
+ratios, verl's kernel files load without verl's package, and render_docs.post_training renders a result."""
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture
 def objectives(bench_loss):
@@ -106,3 +110,43 @@ def test_verl_kernel_files_load_without_its_package(objectives, tmp_path, monkey
             if name.startswith(objectives.VERL_PACKAGE):
                 del sys.modules[name]
 
+
+def test_post_training_table_renders_each_objective_per_head(tmp_path, monkeypatch):
+    """render_docs.post_training: our plain mean first, then per objective and head ours' ms and its stored
+    ratios (over the plain mean; scoring's over our forward), verl's ms and ours over it, torch.compile's ms and
+    peak, ours' peak over it, liger's ms; "–" where a row did not run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import render_docs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def timed(what, ms, mem=None, **ratios):
+        return {"status": "ok", what: {"median_ms": ms, "times_ms": [ms] * 4, **ratios}, f"{what}_mem_bytes": mem}
+
+    mib = 1 << 20
+    rows = {"rl:ours": {**timed("fwd_bwd", 50.0, 1200 * mib, vs_mean_paired=1.1, vs_verl_paired=0.5),
+                        "mem_vs_compile": 0.06},
+            "rl:verl": timed("fwd_bwd", 100.0, 1400 * mib), "rl:compile": timed("fwd_bwd", 57.0, 20000 * mib),
+            "rl:liger": timed("fwd_bwd", 300.0), "score:ours": timed("fwd", 9.0, vs_fwd_paired=0.8, vs_verl_paired=0.7),
+            "score:verl": timed("fwd", 12.0), "fwd:ours": timed("fwd", 11.0)}
+    methods = {"ours:cce_kahan_full_c": timed("fwd_bwd", 45.0, 1100 * mib),
+               "compile": timed("fwd_bwd", 55.0, 5000 * mib)}
+    post = {"temperature": 1.0, "mean_key": "ours:cce_kahan_full_c", "rows": rows}
+    case = {"kind": "main", "regime": "trained", "N": 8192, "dtype": "bfloat16", "shape": "gemma2-2b",
+            "methods": methods, "post": post}
+    meta = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "repeats": 4, "rounds": 2,
+            "post": {"objectives": {"rl": "", "score": ""}, "temperature": 1.0, "entropy_coef": 0.01,
+                     "methods": {"ours": {"impl": "cce_kahan_full_c"}, "verl": {"version": "0.9.1"},
+                                 "liger": {"version": "0.8.5", "path": "chunked fallback"}}}}
+    (tmp_path / "h200_post.json").write_text(json.dumps({"meta": meta, "cases": [case]}))
+    monkeypatch.setattr(render_docs.C, "RESULTS", tmp_path)
+    lines = render_docs.post_training("h200_post").splitlines()
+    assert lines[0] == render_docs.header("h200_post")
+    assert lines[3:6] == [
+        "| plain mean, for scale | Gemma 2 2B | 45.0 | – | – | – | 55.0 (5,000 MiB) | 0.220× | – |",
+        "| RL objective | Gemma 2 2B | 50.0 | 1.10× | 100.0 | 0.50× | 57.0 (20,000 MiB) | 0.060× | 300.0 |",
+        "| scoring, no grad | Gemma 2 2B | 9.00 | 0.80× | 12.0 | 0.70× | – | – | – |",
+    ]
+    note = " ".join(lines[7:])
+    assert "temperature 1" in note and "commit 0123456" in note and "chunked fallback" in note and "0.9.1" in note
