@@ -330,14 +330,16 @@ def _torch(key: str) -> PostMethod:
                     logp, entropy = fn(e, c, t, temperature)
                 return Out(logp=logp, entropy=entropy)
         elif objective == "logprobs":
-            def call(e, c, t):
-                loss, logp = fn(e, c, t, temperature, -a)
-                return Out(loss=loss, logp=logp)
-        else:
-            we = torch.full_like(a, b)
+            wl = -a
 
             def call(e, c, t):
-                loss, logp, entropy = fn(e, c, t, temperature, -a, we)
+                loss, logp = fn(e, c, t, temperature, wl)
+                return Out(loss=loss, logp=logp)
+        else:
+            wl, we = -a, torch.full_like(a, b)
+
+            def call(e, c, t):
+                loss, logp, entropy = fn(e, c, t, temperature, wl, we)
                 return Out(loss=loss, logp=logp, entropy=entropy)
         return call
 
