@@ -6,7 +6,8 @@ Shapes (s: sequence, b: micro-batch, h: hidden, V: the padded vocabulary, tp: te
     labels   [b, s] integer ids in [0, V), as GPTModel gets them
     loss_weights  optional [b, s] float per-token weights, known before the forward (any sign)
     returns  with labels: (loss [b, s] float32 per token, unreduced, None), loss_weights · loss where
-             given; the logits are never built.
+             given; with return_log_probs ({"log_probs": [b, s], "entropy": [b, s]}, None), both
+             float32 at the options' temperature; the logits are never built.
              without labels: ColumnParallelLinear's own (logits [s, b, V/tp] or gathered [s, b, V], bias).
 
 With labels the loss is ``cce_parallel.linear_cross_entropy(input_, weight, labels.T, reduction="none",
@@ -39,6 +40,13 @@ Per-token weights that are not a 0/1 mask (SFT token weights, RL advantages) go 
 ``loss_weights``: the gradients are then made for the weighted loss in the forward, and the caller
 sums the returned loss (or divides it by one number) with no recompute. Multiplying the loss by
 them afterwards gives the same numbers, but the backward recomputes ∇weight.
+
+Post-training (RL): ``forward(hidden, labels=labels, return_log_probs=True)`` (or
+``per_token_log_probs``) returns each token's log p(label) and its distribution's entropy at
+``CCEOptions.temperature``, vocab-parallel, differentiable: ``linear_cross_entropy(...,
+return_entropy=True)``, its loss negated, on the lean path (no gradients made in the forward: the
+objective of them is not known there, and the backward recomputes). It needs a loss that is the
+cross-entropy alone (no label_smoothing, no z_loss) and no loss_weights.
 
 State: the layer owns a ``cce_parallel.UpstreamState``, ``layer.cce_state``, passed to every call:
 what its backwards taught it (per-token weights that come only in the backward make its later
@@ -277,7 +285,9 @@ class CCEOutputLayer(ColumnParallelLinear):
         self._cce_pending_labels = None  # labels routed here by GPTModel._postprocess (see use_cce)
         self._cce_pending_weights = None  # and their per-token weights (loss_weights)
         self._cce_pending_mtp = []  # (depth, labels) of the MTP depths' calls, before the main head's
+        self._cce_pending_log_probs = False  # and whether the main head's call returns log-probs
         self._cce_last_loss = None
+        self._cce_last_entropy = None  # the entropy of a routed call that returned log-probs
 
     def reset_cce_state(self):
         """Forget what the backwards taught the loss and the paths it counted (UpstreamState.reset),
@@ -296,14 +306,21 @@ class CCEOutputLayer(ColumnParallelLinear):
         runtime_gather_output: bool | None = None,
         labels: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
+        return_log_probs: bool = False,
     ):
         """With labels (or labels routed by ``use_cce``): (loss [b, s] fp32, None), times
-        ``loss_weights`` [b, s] where given. Without: ColumnParallelLinear's (logits, bias),
-        honouring ``weight`` and ``runtime_gather_output``."""
+        ``loss_weights`` [b, s] where given; with ``return_log_probs`` ({"log_probs": [b, s],
+        "entropy": [b, s]}, None) instead (``per_token_log_probs``). Without labels:
+        ColumnParallelLinear's (logits, bias), honouring ``weight`` and ``runtime_gather_output``.
+
+        A call routed with ``return_log_probs`` (GPTModel's, under ``route_labels``) returns the
+        log-probs tensor alone in the logits' place, for megatron-core's code to hand on; the
+        model's ``compute_language_model_loss`` makes the dict of it (``routed_output``)."""
         routed = labels is None and self._cce_pending_labels is not None
         if routed:
-            if loss_weights is not None:
-                raise ValueError("loss_weights were given twice: to the layer's forward and to route_labels")
+            if loss_weights is not None or return_log_probs:
+                what = "loss_weights" if loss_weights is not None else "return_log_probs"
+                raise ValueError(f"{what} was given twice: to the layer's forward and to route_labels")
             if self._cce_pending_mtp:  # an MTP depth's call (they come before the main head's)
                 depth, depth_labels = self._cce_pending_mtp.pop(0)
                 loss = self.per_token_loss(input_, depth_labels, weight, mtp_depth=depth)
@@ -311,17 +328,66 @@ class CCEOutputLayer(ColumnParallelLinear):
                 return loss, None
             labels, self._cce_pending_labels = self._cce_pending_labels, None
             loss_weights, self._cce_pending_weights = self._cce_pending_weights, None
+            return_log_probs, self._cce_pending_log_probs = self._cce_pending_log_probs, False
+        if not isinstance(return_log_probs, bool):
+            raise TypeError(f"return_log_probs must be a bool, got {return_log_probs!r}")
         if labels is None:
             if loss_weights is not None:
                 raise ValueError(
                     "loss_weights weight the per-token loss; without labels the layer returns logits. "
                     "Pass labels too"
                 )
+            if return_log_probs:
+                raise ValueError(
+                    "return_log_probs returns the labels' log-probs; without labels the layer returns "
+                    "logits. Pass labels too"
+                )
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        if return_log_probs:
+            if loss_weights is not None:
+                raise ValueError(_LOG_PROBS_AND_WEIGHTS)
+            out = self.per_token_log_probs(input_, labels, weight)
+            if routed:
+                self._cce_last_loss, self._cce_last_entropy = out["log_probs"], out["entropy"]
+                return out["log_probs"], None
+            return out, None
         loss = self.per_token_loss(input_, labels, weight, loss_weights=loss_weights)
         if routed:
             self._cce_last_loss = loss
         return loss, None
+
+    def per_token_log_probs(
+        self, input_: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> dict:
+        """{"log_probs": [b, s], "entropy": [b, s]}, both fp32 and differentiable, for hidden states
+        [s(/tp), b, h] and labels [b, s]: each token's log-probability of its label and the entropy
+        of its distribution over the whole (padded) vocabulary, at ``cce_options.temperature`` (and
+        softcap). Both are 0 where the label is ``ignore_index``. Vocab-parallel: the statistics are
+        all-reduced over the tensor-parallel group, never gathered; identical on every rank.
+
+        log_probs is the negated per-token loss, so it needs a loss that is the cross-entropy alone:
+        ``label_smoothing`` and ``z_loss`` must be 0 (ValueError). A backward through either output
+        recomputes the gradients (exact; the lean path): the objective of an RL step is a function of
+        them that the forward cannot know. Per-token weights known before the forward go into
+        ``per_token_loss(..., loss_weights=...)`` instead, whose gradients are made in the forward.
+        """
+        o = self.cce_options
+        if o.label_smoothing or o.z_loss:
+            raise ValueError(
+                f"return_log_probs needs the per-token loss to be -log p(label) alone, but this layer's "
+                f"options add to it (label_smoothing={o.label_smoothing}, z_loss={o.z_loss}); "
+                "switch the model with label_smoothing=0 and z_loss=0 (use_cce) to get log-probs"
+            )
+        loss, entropy = self._cross_entropy(input_, labels, weight, return_entropy=True)
+        return {"log_probs": -loss, "entropy": entropy}
+
+    def routed_output(self, tensor):
+        """What GPTModel returns for `tensor`, the output this layer returned under route_labels
+        (``is_routed_loss``): the per-token loss itself, or with ``return_log_probs`` routed,
+        {"log_probs": tensor, "entropy": the entropy of the same call}."""
+        if self._cce_last_entropy is None:
+            return tensor
+        return {"log_probs": tensor, "entropy": self._cce_last_entropy}
 
     def per_token_loss(
         self,
@@ -346,6 +412,14 @@ class CCEOutputLayer(ColumnParallelLinear):
         Misuse raises ValueError / TypeError on every rank of the tensor-parallel group (the
         others learn of it in the loss's first collective), never a hang.
         """
+        return self._cross_entropy(input_, labels, weight, loss_weights=loss_weights, mtp_depth=mtp_depth)
+
+    def _cross_entropy(
+        self, input_, labels, weight, *, loss_weights=None, mtp_depth=None, return_entropy=False
+    ):
+        """per_token_loss; with return_entropy (per_token_log_probs) (loss, entropy), both [b, s],
+        on the lean path: the objective of them is not known in the forward, so gradients made there
+        would be recomputed in the backward anyway (linear_cross_entropy's return_entropy)."""
         tp = get_pg_size(self.tp_group)
         group = self.tp_group if tp > 1 else None
         sequence_parallel = bool(self.sequence_parallel) and tp > 1
@@ -358,6 +432,8 @@ class CCEOutputLayer(ColumnParallelLinear):
                         f"{getattr(self.config, 'mtp_num_layers', None)}, depths {sorted(self.mtp_cce_states)}"
                     )
                 state, loss_kwargs["loss_scale"] = self.mtp_cce_states[mtp_depth], self._mtp_loss_scale()
+            if return_entropy:
+                loss_kwargs["logits_budget"] = "lean"
             weight = self._resolve_weight(weight, tp)
             if any_dtensor(weight):
                 # Its mesh would be taken for the vocabulary's; an FSDP shard is not a vocabulary shard.
@@ -395,7 +471,7 @@ class CCEOutputLayer(ColumnParallelLinear):
                 main_grad = lambda: param.main_grad  # noqa: E731
                 weight = _MainGradHook.apply(weight)
         # [b, s] -> [s, b]: views of the labels and weights; the hidden states are never copied.
-        loss = linear_cross_entropy(
+        out = linear_cross_entropy(
             input_,
             weight,
             labels.t(),
@@ -404,12 +480,15 @@ class CCEOutputLayer(ColumnParallelLinear):
             weights=None if loss_weights is None else loss_weights.t(),
             state=state,
             **loss_kwargs,
+            return_entropy=return_entropy,
             tp_group=group,
             sequence_parallel=sequence_parallel,
             main_grad=main_grad,
         )
         # [s, b] -> [b, s], contiguous as Megatron's compute_language_model_loss returns it.
-        return loss.t().contiguous()
+        if return_entropy:
+            return tuple(t.t().contiguous() for t in out)
+        return out.t().contiguous()
 
     def _mtp_loss_scale(self) -> float | None:
         """What the schedule multiplies an MTP depth's loss by: megatron-core's MTP scales each
@@ -478,9 +557,11 @@ class CCEOutputLayer(ColumnParallelLinear):
         labels: torch.Tensor,
         loss_weights: torch.Tensor | None = None,
         mtp_labels: list | tuple = (),
+        return_log_probs: bool = False,
     ):
         """Within the block, the next call without labels computes the loss with these labels (and
-        these per-token weights [b, s], where given).
+        these per-token weights [b, s], where given), or with return_log_probs their log-probs and
+        entropy (the call returns the log-probs tensor; ``routed_output`` makes the dict of it).
 
         mtp_labels: [l_1, ..., l_n], labels [b, s] of the multi-token-prediction depths 1 .. n,
         whose calls come first (GPTModel's order): the first n calls without labels compute depth
@@ -493,9 +574,17 @@ class CCEOutputLayer(ColumnParallelLinear):
                 f"{len(mtp_labels)} MTP depths' labels for a layer with mtp_num_layers="
                 f"{getattr(self.config, 'mtp_num_layers', None)}"
             )
+        if return_log_probs and (loss_weights is not None or mtp_labels):
+            raise ValueError(
+                _LOG_PROBS_AND_WEIGHTS
+                if loss_weights is not None
+                else "return_log_probs with MTP depths' labels: a model with multi-token prediction "
+                "returns its loss"
+            )
         self._cce_pending_labels, self._cce_pending_weights = labels, loss_weights
         self._cce_pending_mtp = list(enumerate(mtp_labels, start=1))
-        self._cce_last_loss = None
+        self._cce_pending_log_probs = bool(return_log_probs)
+        self._cce_last_loss = self._cce_last_entropy = None
         try:
             yield
             if mtp_labels and (self._cce_pending_mtp or self._cce_pending_labels is not None):
@@ -510,7 +599,8 @@ class CCEOutputLayer(ColumnParallelLinear):
         finally:
             self._cce_pending_labels = self._cce_pending_weights = None
             self._cce_pending_mtp = []
-            self._cce_last_loss = None
+            self._cce_pending_log_probs = False
+            self._cce_last_loss = self._cce_last_entropy = None
 
     def is_routed_loss(self, tensor) -> bool:
         """Whether `tensor` is the loss this layer returned in place of logits under route_labels,
@@ -530,6 +620,13 @@ class CCEOutputLayer(ColumnParallelLinear):
     def __repr__(self):
         mtp = f", mtp_cce_states={self.mtp_cce_states!r}" if self.mtp_cce_states else ""
         return super().__repr__()[:-1] + f", impl={self.cce_options.impl}, cce_state={self.cce_state!r}{mtp})"
+
+
+_LOG_PROBS_AND_WEIGHTS = (
+    "return_log_probs and loss_weights together: loss_weights weight the per-token loss (its gradients "
+    "made in the forward), return_log_probs returns the unweighted log-probs for an objective computed "
+    "from them; pass one or the other"
+)
 
 
 def _check_loss_weights(input_, labels, loss_weights):

@@ -33,6 +33,16 @@ has no ``output_processor`` hook in ``GPTModel.forward``, so ``use_cce`` does th
   they ignore the labels. With ``loss_mask`` too, masked tokens give 0 and the others their
   weighted loss.
 
+- ``model(..., labels=labels, return_log_probs=True)``: instead of the loss, {"log_probs": [b, s],
+  "entropy": [b, s]} (fp32, differentiable, at ``CCEOptions.temperature``; 0 where loss_mask is 0
+  or the label is ignore_index), what an RL framework's Megatron backend computes its policy loss
+  from (verl's actor hands its loss function such a dict). A keyword for the reasons above. The
+  layer returns the log-probs tensor in the logits' place, for megatron-core's code to hand on,
+  and ``compute_language_model_loss`` makes the dict of it with the entropy of the same call.
+  Refused (ValueError / TypeError): without labels, in inference, with loss_weights, and with
+  multi-token prediction (megatron-core would train the depths on a loss attached unseen to the
+  output).
+
 Multi-token prediction (``config.mtp_num_layers`` = n >= 1, the DeepSeek-V3 recipe; the MTP
 layers on the last pipeline stage, as megatron-core places them): ``_postprocess`` runs the MTP
 block, then calls the output layer on depth k's hidden states for k = 1 .. n, taking
@@ -94,12 +104,13 @@ def use_cce(model, impl: str = "cce_kahan_full_c", **options):
         model: a megatron-core GPTModel, a wrapper of one (DDP, Float16Module), or a list of
             model chunks (virtual pipeline stages). Call it before or after wrapping.
         impl: one of ``cce_parallel.IMPLS``.
-        **options: the other fields of ``CCEOptions``: softcap, label_smoothing, z_loss,
-            ignore_index, logits_budget, loss_scale, make_vocab_size_divisible_by.
+        **options: the other fields of ``CCEOptions``: softcap, temperature, label_smoothing,
+            z_loss, ignore_index, logits_budget, loss_scale, make_vocab_size_divisible_by.
 
     Afterwards ``model(input_ids, position_ids, attention_mask, labels=labels)`` returns the
     per-token fp32 loss [b, s] (labels [b, s]) and never builds the logits; without labels it
-    returns logits as before. ``loss_weights=`` [b, s] weights that loss per token (see the module
+    returns logits as before. ``loss_weights=`` [b, s] weights that loss per token, and
+    ``return_log_probs=True`` returns {"log_probs", "entropy"} [b, s] instead (see the module
     doc). Calling it again replaces the options (with other options the output layer starts a
     fresh ``cce_state``).
     """
@@ -116,9 +127,10 @@ def cce_output_processor(
     *,
     loss_mask: torch.Tensor | None = None,
     loss_weights: torch.Tensor | None = None,
+    return_log_probs: bool = False,
     runtime_gather_output: bool | None = None,
     **options,
-) -> torch.Tensor:
+) -> torch.Tensor | dict:
     """GPTModel's output step with CCE: hidden states -> per-token loss, or logits without labels.
 
     The function stands in for the output layer + ``compute_language_model_loss`` pair in a
@@ -132,13 +144,15 @@ def cce_output_processor(
             into the labels with ``mask_labels``, as the model's forward folds its ``loss_mask``).
         loss_weights: [b, s] float per-token weights known before the forward, or None: the loss
             is then loss_weights · loss, its gradients made for it in the forward.
+        return_log_probs: return {"log_probs": [b, s], "entropy": [b, s]} (fp32, at the options'
+            temperature; 0 where masked or ignored) instead of the loss; needs labels.
         runtime_gather_output: as in GPTModel.forward (logits only).
         **options: ``use_cce`` options (impl, softcap, ...); applied to the model first when given,
             or when its output layer is not a CCE layer yet.
 
     Returns:
-        loss [b, s] float32 per token (times loss_weights); without labels, logits [b, s, V/tp]
-        (or [b, s, V] gathered).
+        loss [b, s] float32 per token (times loss_weights), or the dict of return_log_probs;
+        without labels, logits [b, s, V/tp] (or [b, s, V] gathered).
     """
     gpt = unwrap_gpt_model(model)
     if not gpt.post_process:
@@ -154,6 +168,7 @@ def cce_output_processor(
         runtime_gather_output=runtime_gather_output,
         labels=labels,
         loss_weights=loss_weights,
+        return_log_probs=return_log_probs,
     )
     if labels is None:
         return out.transpose(0, 1).contiguous()  # [s, b, V] -> [b, s, V], as GPTModel returns logits
@@ -168,35 +183,53 @@ class _CCEGPTModelMixin:
     module doc)."""
 
     _cce_loss_weights = None  # set by forward for its own call only
+    _cce_return_log_probs = False  # likewise
 
-    def forward(self, *args, loss_weights: torch.Tensor | None = None, **kwargs):
-        """GPTModel.forward, plus ``loss_weights`` [b, s] for the per-token loss (module doc)."""
-        if loss_weights is None:
+    def forward(
+        self, *args, loss_weights: torch.Tensor | None = None, return_log_probs: bool = False, **kwargs
+    ):
+        """GPTModel.forward, plus ``loss_weights`` [b, s] for the per-token loss, or
+        ``return_log_probs`` for {"log_probs": [b, s], "entropy": [b, s]} instead (module doc)."""
+        if not isinstance(return_log_probs, bool):
+            raise TypeError(f"return_log_probs must be a bool, got {return_log_probs!r}")
+        if loss_weights is None and not return_log_probs:
             return super().forward(*args, **kwargs)
-        self._cce_loss_weights = loss_weights
+        self._cce_loss_weights, self._cce_return_log_probs = loss_weights, return_log_probs
         try:
             return super().forward(*args, **kwargs)
         finally:
-            self._cce_loss_weights = None
+            self._cce_loss_weights, self._cce_return_log_probs = None, False
 
     def _postprocess(self, *args, **kwargs):
         bound = _postprocess_signature(type(self)).bind_partial(self, *args, **kwargs).arguments
         labels = bound.get("labels")
         inference = (bound.get("inference_context") is not None and not self.training) or _inference_mode_active()
         layer = getattr(self, "output_layer", None)
-        loss_weights = self._cce_loss_weights
+        loss_weights, log_probs = self._cce_loss_weights, self._cce_return_log_probs
         if labels is None or inference or not self.post_process or not isinstance(layer, CCEOutputLayer):
-            if loss_weights is not None and self.post_process:
+            if (loss_weights is not None or log_probs) and self.post_process:
                 why = (
                     "it has no labels" if labels is None
                     else "inference mode" if inference
                     else f"the output layer is a {type(layer).__name__}, not a CCE layer"
                 )
+                what, instead = (
+                    ("loss_weights weight the per-token loss", "no loss_weights") if loss_weights is not None
+                    else ("return_log_probs returns the labels' log-probs", "no return_log_probs")
+                )
                 raise ValueError(
-                    f"loss_weights weight the per-token loss, but this forward computes no CCE loss ({why}); "
-                    "pass labels, or no loss_weights"
+                    f"{what}, but this forward computes no CCE loss ({why}); pass labels, or {instead}"
                 )
             return super()._postprocess(*args, **kwargs)
+        if log_probs:  # (with loss_weights too: route_labels refuses them)
+            depths = getattr(self.config, "mtp_num_layers", None)
+            if depths:
+                raise ValueError(
+                    f"return_log_probs is not supported with multi-token prediction (mtp_num_layers={depths}): "
+                    "the forward would also train the MTP depths on megatron-core's loss, attached unseen to "
+                    "the main head's output; take the loss (no return_log_probs), or score and train the "
+                    "policy built without MTP layers"
+                )
         loss_mask = bound.get("loss_mask")
         mtp_labels = self._cce_mtp_labels(labels, loss_mask, bound.get("packed_seq_params"))
         if loss_mask is not None:
@@ -204,7 +237,8 @@ class _CCEGPTModelMixin:
             # masked tokens give exactly 0 (the product is unchanged) and no gradient, so the
             # upstream gradient is one number over the kept tokens (see the module doc).
             labels = mask_labels(labels, loss_mask, layer.cce_options.ignore_index)
-        with layer.route_labels(labels, loss_weights, mtp_labels=mtp_labels), _no_acceptance_counts(mtp_labels):
+        routed = layer.route_labels(labels, loss_weights, mtp_labels=mtp_labels, return_log_probs=log_probs)
+        with routed, _no_acceptance_counts(mtp_labels):
             return super()._postprocess(*args, **kwargs)
 
     def _cce_mtp_labels(self, labels, loss_mask, packed_seq_params) -> list:
@@ -224,7 +258,8 @@ class _CCEGPTModelMixin:
     def compute_language_model_loss(self, labels, logits):
         layer = getattr(self, "output_layer", None)
         if isinstance(layer, CCEOutputLayer) and layer.is_routed_loss(logits):
-            return logits  # already the per-token loss [b, s]
+            # already the per-token loss [b, s], or the log-probs [b, s] to return with their entropy
+            return layer.routed_output(logits)
         return super().compute_language_model_loss(labels, logits)
 
 
