@@ -265,11 +265,11 @@ def dz_from_logits(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, ws, *, 
 
 
 def dz_rows_in_place(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, grad_dtype, *, softcap, config,
-                     temperature=1.0):
+                     temperature=1.0, coef_h=None):
     """Overwrite the fp32 logits x [N, >= V] (columns = rows 0..V-1 of the shard, V = len of the
     targets' shard: x.shape[1] unless the caller passes a narrower view) with scale * d loss / d z
     in grad_dtype, in place, and return that [N, V] view of x's memory (row stride in grad_dtype
-    elements: x.stride(0) * 4 / itemsize)."""
+    elements: x.stride(0) * 4 / itemsize). coef_h: the entropy's coefficient of p z, or None."""
     N, V = x.shape
     if x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError("x must be fp32 with unit column stride")
@@ -282,10 +282,10 @@ def dz_rows_in_place(x, bias, targets, lse, coef_a, coef_b, coef_u, scale, grad_
     dummy = lse
     _dz_rows_kernel[(triton.cdiv(N, config.rows_block_n),)](
         x, bias if bias is not None else dummy, targets, lse, coef_a, coef_b,
-        coef_u if coef_u is not None else dummy, dummy, scale, float(softcap) if softcap is not None else 1.0,
+        coef_u if coef_u is not None else dummy, coef_h if coef_h is not None else dummy, scale, float(softcap) if softcap is not None else 1.0,
         1.0 / temperature, N, V, x.stride(0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=coef_u is not None,
-        HAS_ENTROPY=False, G_DTYPE=_TL_DTYPES[grad_dtype], G_PER_F32=ratio, BLOCK_N=config.rows_block_n,
+        HAS_ENTROPY=coef_h is not None, G_DTYPE=_TL_DTYPES[grad_dtype], G_PER_F32=ratio, BLOCK_N=config.rows_block_n,
         BLOCK_V=config.rows_block_v,
         num_warps=config.rows_num_warps,
     )

@@ -35,9 +35,9 @@ from cce_parallel.kernels.tiles import activate, logit_grad, probs_tile
 
 
 @triton.jit
-def _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_ptr, A_ptr, B_ptr, U_ptr, scale,
+def _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_ptr, A_ptr, B_ptr, U_ptr, H_ptr, scale,
              softcap, inv_temp, D, stride_en, stride_cv, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-             HAS_UNIFORM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_UNIFORM: tl.constexpr, HAS_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BLOCK_N, BLOCK_V] logit gradient of tokens offs_n and classifier rows `rows`, times
     scale, rounded to the input dtype (0 outside the masks): the logits recomputed over all of D."""
@@ -53,17 +53,19 @@ def _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_
     m = mask_n[:, None] & mask_v[None, :]
     z, t = activate(x, Bias_ptr, rows, mask_v, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
     p, is_t = probs_tile(z, Lse_ptr, Tgt_ptr, offs_n, mask_n, rows, m)
-    dz = logit_grad(p, is_t, t, z, offs_n, mask_n, A_ptr, B_ptr, U_ptr, A_ptr, HAS_UNIFORM, HAS_SOFTCAP, False)
+    dz = logit_grad(p, is_t, t, z, offs_n, mask_n, A_ptr, B_ptr, U_ptr, H_ptr, HAS_UNIFORM, HAS_SOFTCAP, HAS_ENTROPY)
     return tl.where(m, dz * scale, 0.0).to(E_ptr.dtype.element_ty)
 
 
 @triton.jit
-def _weighted_tokens(offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM: tl.constexpr):
+def _weighted_tokens(offs_n, mask_n, A_ptr, B_ptr, U_ptr, H_ptr, HAS_UNIFORM: tl.constexpr, HAS_ENTROPY: tl.constexpr):
     """Whether any of the tokens offs_n has a nonzero (or NaN) coefficient: NaN must reach the result."""
     weight = tl.abs(tl.load(A_ptr + offs_n, mask=mask_n, other=0.0))
     weight += tl.abs(tl.load(B_ptr + offs_n, mask=mask_n, other=0.0))
     if HAS_UNIFORM:
         weight += tl.abs(tl.load(U_ptr + offs_n, mask=mask_n, other=0.0))
+    if HAS_ENTROPY:
+        weight += tl.abs(tl.load(H_ptr + offs_n, mask=mask_n, other=0.0))
     return tl.sum(weight, axis=0) != 0.0
 
 
@@ -78,6 +80,7 @@ def _weighted_grads_kernel(
     A_ptr,  # [N] fp32 coefficient of p
     B_ptr,  # [N] fp32 coefficient of the one-hot target
     U_ptr,  # [N] fp32 uniform coefficient (dummy unless HAS_UNIFORM)
+    H_ptr,  # [N] fp32 coefficient of p z, the entropy's (dummy unless HAS_ENTROPY)
     Scale_ptr,  # [1] fp32 power of two dz is stored times (fp16), divided out at the end
     DC_ptr,  # [V, D] out, row stride stride_dc: written, or added to where ADD_DC
     DB_ptr,  # [V] out: written (dummy unless NEED_DB)
@@ -93,6 +96,7 @@ def _weighted_grads_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_UNIFORM: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
     NEED_DC: tl.constexpr,
     NEED_DB: tl.constexpr,
     NEED_DE: tl.constexpr,
@@ -125,11 +129,11 @@ def _weighted_grads_kernel(
                 for t0 in range(0, N, BLOCK_N):
                     offs_n = t0 + tl.arange(0, BLOCK_N).to(tl.int64)
                     mask_n = offs_n < N
-                    if _weighted_tokens(offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM):
+                    if _weighted_tokens(offs_n, mask_n, A_ptr, B_ptr, U_ptr, H_ptr, HAS_UNIFORM, HAS_ENTROPY):
                         g = _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_ptr, A_ptr,
-                                     B_ptr, U_ptr, scale, softcap, inv_temp, D, stride_en, stride_cv, HAS_BIAS,
+                                     B_ptr, U_ptr, H_ptr, scale, softcap, inv_temp, D, stride_en, stride_cv, HAS_BIAS,
                                      HAS_SOFTCAP,
-                                     HAS_UNIFORM, PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
+                                     HAS_UNIFORM, HAS_ENTROPY, PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
                         if NEED_DC:
                             e_d = tl.load(E_ptr + offs_n[:, None] * stride_en + cols[None, :],
                                           mask=mask_n[:, None] & mask_d[None, :], other=0.0)
@@ -155,14 +159,14 @@ def _weighted_grads_kernel(
                 cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
                 mask_d = cols < D
                 acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-                if _weighted_tokens(offs_n, mask_n, A_ptr, B_ptr, U_ptr, HAS_UNIFORM):
+                if _weighted_tokens(offs_n, mask_n, A_ptr, B_ptr, U_ptr, H_ptr, HAS_UNIFORM, HAS_ENTROPY):
                     for v0 in range(0, V, BLOCK_V):
                         rows = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
                         mask_v = rows < V
                         g = _dz_tile(offs_n, mask_n, rows, mask_v, E_ptr, C_ptr, Bias_ptr, Tgt_ptr, Lse_ptr, A_ptr,
-                                     B_ptr, U_ptr, scale, softcap, inv_temp, D, stride_en, stride_cv, HAS_BIAS,
+                                     B_ptr, U_ptr, H_ptr, scale, softcap, inv_temp, D, stride_en, stride_cv, HAS_BIAS,
                                      HAS_SOFTCAP,
-                                     HAS_UNIFORM, PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
+                                     HAS_UNIFORM, HAS_ENTROPY, PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
                         c_d = tl.load(C_ptr + rows[:, None] * stride_cv + cols[None, :],
                                       mask=mask_v[:, None] & mask_d[None, :], other=0.0)
                         acc = tl.dot(g, c_d, acc, input_precision=PRECISION)
@@ -200,7 +204,7 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, softcap, temperature, add_dc):
+def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, h, scale, dc, db, de, softcap, temperature, add_dc):
     n, d = e.shape
     v = c.shape[0]
     # As the kernel counts them: dC tiles (or one column of them for dbias alone), then dE tiles.
@@ -213,21 +217,22 @@ def _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, 
     grid = (max(1, min(tiles, _programs(e.device))),)
     dummy = lse
     _weighted_grads_kernel[grid](
-        flag, e, c, bias if bias is not None else dummy, targets, lse, a, b, u if u is not None else dummy, scale,
+        flag, e, c, bias if bias is not None else dummy, targets, lse, a, b, u if u is not None else dummy,
+        h if h is not None else dummy, scale,
         dc if dc is not None else dummy, db if db is not None else dummy, de if de is not None else dummy,
         float(softcap) if softcap is not None else 0.0, 1.0 / temperature, n, v, d, e.stride(0), c.stride(0),
         dc.stride(0) if dc is not None else 0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=u is not None,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_UNIFORM=u is not None, HAS_ENTROPY=h is not None,
         NEED_DC=dc is not None, NEED_DB=db is not None, NEED_DE=de is not None, ADD_DC=add_dc,
         PRECISION="ieee", **blocks,  # fp32 inputs: full fp32 products (no effect on bf16 / fp16)
     )
 
 
 def weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=None, *, softcap, add_dc: bool,
-                   temperature=1.0):
+                   temperature=1.0, h=None):
     """If flag (int32 [1], on the device) is not 0: dC into dc (added to it where add_dc, else
     written), dbias written into db and dE written into de, of the logit gradient A p - B [target]
-    - U over e's tokens (see the module docstring); dc, db and de may be None. Otherwise nothing
+    - U - H p z over e's tokens (see the module docstring; h: the entropy's H, or None); dc, db and de may be None. Otherwise nothing
     moves. No host sync.
 
     e [N, D], c [V, D] (row strides, unit column stride); targets int64 [N], rows of c (outside
@@ -244,7 +249,8 @@ def weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=No
     blocks = _FITTING.get(key, CUDA_BLOCKS if e.is_cuda else CPU_BLOCKS)
     while True:
         try:
-            _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de, softcap, temperature, add_dc)
+            _launch(blocks, flag, e, c, bias, targets, lse, a, b, u, h, scale, dc, db, de, softcap, temperature,
+                    add_dc)
             return
         except OutOfResources:
             blocks = _FITTING[key] = _smaller(blocks)

@@ -3,12 +3,14 @@ gradient is needed and the budget allows, else the lean path (ops/lean.py); the 
 the one-pass gradients scaled or corrected for the upstream gradient (ops/upstream.py), or
 recomputes them on the lean path. The math and the shared pieces: ops/common.py.
 
-Per-token weights given in the forward multiply each kept token's loss; the one-pass gradients are
-made for them, so that an upstream gradient that is one number (the weighted losses' mean or sum)
-only scales them. In every recompute the upstream gradient is multiplied by them.
+Per-token weights given in the forward multiply each kept token's loss, and entropy weights add
+that many times its entropy; the one-pass gradients are made for them, so that an upstream
+gradient that is one number (the weighted losses' mean or sum) only scales them. In every
+recompute the upstream gradient is multiplied by them.
 """
 
 import dataclasses
+import math
 from collections import Counter
 from typing import Callable, Optional
 
@@ -51,7 +53,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     e: [n_rows, D] (this rank's rows under sequence parallelism, else all n); c: [V_shard, D], rows
     start .. start + V_shard of the vocabulary; bias: [V_shard] or None; targets: [n], the
     caller's, flat and contiguous; weights: None or fp32 [n], each token's weight (0 at ignored
-    tokens; it may need a gradient: the token's unweighted loss); prepare(): the targets' pass (ops/functional.py), returning
+    tokens; it may need a gradient: the token's unweighted loss); ent_weights: None or fp32 [n]
+    (0 at ignored tokens; cfg.entropy): each token's loss is then weights * loss + ent_weights *
+    entropy (its gradient: the entropy); prepare(): the targets' pass (ops/functional.py), returning
     (each token's row of c or -1 where another rank holds it or it is ignored, keep [n] bool: the
     tokens that count, counts: int64 [2], kept tokens and kept ones outside [0, vocab), grad_scale:
     fp32 [], 1 / kept for reductions "mean" and "none", 1 for "sum", times cfg.loss_scale). The
@@ -68,7 +72,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, e, c, bias, targets, weights, start: int, prepare: Callable, watch: Callable, cfg: LossConfig,
+    def forward(ctx, e, c, bias, targets, weights, ent_weights, start: int, prepare: Callable, watch: Callable, cfg: LossConfig,
                 comm: Collectives, sequence_parallel: bool,
                 c_main_grad: Optional[Callable[[], torch.Tensor]] = None, state: Optional[UpstreamState] = None):
         ctx.set_materialize_grads(False)
@@ -82,7 +86,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             mean_z = torch.empty(e_all.shape[0], device=e.device, dtype=torch.float32) if cfg.entropy else None
             lse, zt, zsum, de, dc, db, prepared = one_pass(
                 e_all, c, bias, targets, weights, start, prepare, watch, fwd_cfg, comm,
-                main_grad=c_main_grad is not None or cfg.fp32_grads or cfg.defer_dc, mean_z=mean_z)
+                main_grad=c_main_grad is not None or cfg.fp32_grads or cfg.defer_dc, mean_z=mean_z,
+                ent_weights=ent_weights)
             if de is not None:
                 de = _finish_de(de, comm, sequence_parallel)
         else:
@@ -98,11 +103,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if weights is not None:
             unweighted = loss if ctx.needs_input_grad[4] else None  # d (w * loss) / d w
             loss = loss * weights
+        entropy = torch.where(keep, lse - mean_z, 0.0) if cfg.entropy else lse.new_empty(0)
+        if ent_weights is not None:
+            loss = loss + ent_weights * entropy
         ctx.cfg, ctx.comm, ctx.sp, ctx.c_main_grad, ctx.state = cfg, comm, sequence_parallel, c_main_grad, state
         ctx.save_for_backward(e_all, c, bias, targets, weights, unweighted, keep, counts, grad_scale, lse, de, dc,
-                              db, mean_z)
+                              db, mean_z, ent_weights, entropy if ctx.needs_input_grad[5] else None)
         ctx.mark_non_differentiable(counts)
-        entropy = torch.where(keep, lse - mean_z, 0.0) if cfg.entropy else lse.new_empty(0)
         return loss, torch.where(keep, lse, 0.0), counts, entropy
 
     @staticmethod
@@ -115,12 +122,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         from cce_parallel import kernels
 
         (e_all, c, bias, targets, weights, unweighted, keep, counts, grad_scale, lse, de1, dc1,
-         db1, mean_z) = ctx.saved_tensors
+         db1, mean_z, ent_weights, entropy) = ctx.saved_tensors
         cfg, comm, sp, state = ctx.cfg, ctx.comm, ctx.sp, ctx.state
         paths = state.paths if state is not None else Counter()
 
         def of_unweighted(g_k):  # an upstream gradient of the weighted loss -> of the unweighted one
             return g_k if weights is None else g_k * weights
+
+        def of_entropy(g_k):  # -> of the entropy, through the entropy weights (None without)
+            return None if ent_weights is None else g_k * ent_weights
+
+        def coefs(g_k, h_k=None, k_ent=None):
+            """(A, B, U, H) for upstream g_k of the loss, h_k of lse, k_ent of the entropy."""
+            a, b, u = coefficients(of_unweighted(g_k), h_k, lse, cfg)
+            k = of_entropy(g_k)
+            if k_ent is not None:
+                k = k_ent if k is None else k + k_ent
+            if k is not None:  # the entropy's part, -k p (z - E[z])
+                a, k = entropy_coefficients(a, k, mean_z, cfg)
+            return a, b, u, k
 
         n = keep.shape[0]
         e_dtype = c.dtype  # e and c share the dtype (checked in ops/functional.py)
@@ -130,6 +150,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             g_entropy = None  # likewise the entropy (the forward's gradients leave it out)
         g = g_loss.float() if g_loss is not None else lse.new_zeros(1).expand(n)
         dw = torch.where(keep, g, 0.0) * unweighted if unweighted is not None else None
+        d_ent_w = torch.where(keep, g, 0.0) * entropy if entropy is not None else None
         stored = cfg.one_pass and g_lse is None and g_entropy is None  # the forward's gradients serve, scaled
         if stored and cfg.defer_dc:
             # The state knew that this loss's weights come in the backward only: dE (fp32, made in
@@ -148,8 +169,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 main = ctx.c_main_grad() if cfg.need_dc and ctx.c_main_grad is not None else None
                 prepared = (targets, keep, counts, torch.ones_like(grad_scale))
                 _, _, _, _, dc, db, _ = one_pass(e_all, c, bias, targets, of_unweighted(g_k), 0, lambda: prepared,
-                                                 lambda bad: None, _sweep_cfg(cfg), comm,
-                                                 main_grad=main is not None)
+                                                 lambda bad: None, _sweep_cfg(cfg, ent_weights), comm,
+                                                 main_grad=main is not None, ent_weights=of_entropy(g_k))
                 if main is not None:
                     dc = _fp32_dc(dc, main, c.dtype)
                 db = db.to(bias.dtype) if db is not None else None
@@ -204,12 +225,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     main.addcmul_(dc1, ratio)
                 dc = _scaled(dc1, ratio, c.dtype) if main is None else None
                 if report is not None:
-                    a, b, u = coefficients(of_unweighted(g_k if kind == "device" else torch.where(keep, g, 0.0)), None,
-                                           lse, cfg)
-                    scale = kernels.grad_scale(a, b, u) if e_dtype == torch.float16 else a.new_ones(1)
+                    a, b, u, k = coefs(g_k if kind == "device" else torch.where(keep, g, 0.0))
+                    scale = a.new_ones(1)
+                    if e_dtype == torch.float16:  # |p (z - E[z])| < log V
+                        bound = k.abs() * math.log(max(cfg.vocab_size, 2)) if k is not None else None
+                        scale = kernels.grad_scale(a, b, u if bound is None else bound if u is None else u.abs() + bound)
                     kernels.weighted_grads(flag, e_all, c, bias, targets, lse, a, b, u, scale,
                                            main if main is not None else dc, db, de if rounded_de else None,
-                                           softcap=cfg.softcap, add_dc=main is not None, temperature=cfg.temperature)
+                                           softcap=cfg.softcap, add_dc=main is not None, temperature=cfg.temperature,
+                                           h=k)
                     if state is not None:
                         state.report(report, cfg.loss_scale, cfg.loss_scale_given)
             elif kind == "mask" and not low:
@@ -223,11 +247,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 if dc1 is not None or db1 is not None:
                     rows = torch.nonzero_static(keep & (w == 0), size=masked).squeeze(1)  # no second sync
                     g_m = grad_scale.neg().expand(rows.numel())  # the forward's weights of those rows, negated
+                    h_m = (g_m * ent_weights[rows]).contiguous() if ent_weights is not None else None
                     g_m = (g_m * weights[rows] if weights is not None else g_m).contiguous()
                     prepared = (targets[rows], keep[rows], counts, torch.ones_like(grad_scale))
                     _, _, _, _, _, db2, _ = one_pass(e_all[rows], c, bias, targets[rows], g_m, 0, lambda: prepared,
-                                                     lambda bad: None, _sweep_cfg(cfg), comm,
-                                                     main_grad=True, dc_into=dc1)
+                                                     lambda bad: None, _sweep_cfg(cfg, ent_weights), comm,
+                                                     main_grad=True, dc_into=dc1, ent_weights=h_m)
                     if db1 is not None:
                         db = db1.add_(db2).mul_(ratio).to(bias.dtype)
                     if dc1 is not None and main is not None:
@@ -242,12 +267,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 paths["recomputed"] += 1
                 if state is not None:
                     state.saw_many() if kind == "many" else state.saw_mask()
-                a, b, u = coefficients(of_unweighted(g_k), None, lse, cfg)
+                a, b, u, k = coefs(g_k)
                 dc = db = None
                 if dc1 is not None or db1 is not None or rounded_de:
                     fp32_dc = dc1 is not None and dc1.dtype == torch.float32
                     de2, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=rounded_de,
-                                                dc_out=dc1.zero_() if fp32_dc else None)
+                                                dc_out=dc1.zero_() if fp32_dc else None, h=k)
                     db = db.to(bias.dtype) if db1 is not None else None
                     dc = _fp32_dc(dc, main, c.dtype) if fp32_dc else dc if dc1 is not None else None
                     if rounded_de:
@@ -257,11 +282,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             g_k = torch.where(keep, g, 0.0)
             h_k = None if g_lse is None else torch.where(keep, g_lse.float(), 0.0)
             paths["lean"] += 1
-            a, b, u = coefficients(of_unweighted(g_k), h_k, lse, cfg)
-            k_ent = None
-            if g_entropy is not None:  # the entropy's part, -k p (z - E[z]): unweighted
-                a, k_ent = entropy_coefficients(a, torch.where(keep, g_entropy.float(), 0.0), mean_z, cfg)
-            de, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=cfg.need_de, h=k_ent)
+            a, b, u, k = coefs(g_k, h_k, None if g_entropy is None else torch.where(keep, g_entropy.float(), 0.0))
+            de, dc, db = lean_backward(e_all, c, bias, targets, lse, a, b, u, cfg, need_de=cfg.need_de, h=k)
             if de is not None:
                 de = _finish_de(de, comm, sp).to(e_dtype)
             if dc is not None and ctx.c_main_grad is not None:
@@ -270,13 +292,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             db = db.to(bias.dtype) if db is not None and cfg.need_db else None
         if not cfg.need_dc or ctx.c_main_grad is not None:
             dc = None  # with c_main_grad, dC went into that buffer; c's .grad is left alone
-        return de if cfg.need_de else None, dc, db, None, dw, None, None, None, None, None, None, None, None
+        return de if cfg.need_de else None, dc, db, None, dw, d_ent_w, None, None, None, None, None, None, None, None
 
 
-def _sweep_cfg(cfg: LossConfig) -> LossConfig:
+def _sweep_cfg(cfg: LossConfig, ent_weights) -> LossConfig:
     """A backward's extra one-pass sweep (dC deferred, a mask's correction): dC and dbias alone,
-    without the entropy's statistics, so that it keeps the fused GEMM."""
-    return dataclasses.replace(cfg, need_de=False, entropy=False)
+    with the entropy's statistics only where entropy weights put it in the objective."""
+    return dataclasses.replace(cfg, need_de=False, entropy=ent_weights is not None)
 
 
 def _finish_de(de, comm, sequence_parallel):

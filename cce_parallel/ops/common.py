@@ -145,11 +145,10 @@ def dense_blocks(n: int, v: int, budget: int, bytes_per_logit: int, block_v: int
     return rows, logit_chunk(rows, v, budget, bytes_per_logit, block_v)
 
 
-def fused_one_pass(dtype: torch.dtype, softcap, label_smoothing: float, entropy: bool = False) -> bool:
+def fused_one_pass(dtype: torch.dtype, softcap, label_smoothing: float) -> bool:
     """Whether one_pass takes the fused GEMM (its buffer in the input dtype) rather than the
-    two-pass variant (fp32 buffer): not for fp16 inputs, nor softcap with label smoothing, nor a
-    call that returns the entropy (its statistics pass sums p z; the fused GEMM does not)."""
-    return dtype != torch.float16 and not (softcap is not None and label_smoothing > 0) and not entropy
+    two-pass variant (fp32 buffer): not for fp16 inputs, nor softcap with label smoothing."""
+    return dtype != torch.float16 and not (softcap is not None and label_smoothing > 0)
 
 
 def token_block(n: int, v: int, budget: int, itemsize: int) -> int:

@@ -91,7 +91,7 @@ def _triton_usable(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
 
 def check_inputs(
     e, c, targets, bias, *, ignore_index, softcap, label_smoothing, z_loss, reduction, impl, logits_budget="auto",
-    loss_scale=None, row_ranks=1, weights=None, temperature=1.0, return_entropy=False,
+    loss_scale=None, row_ranks=1, weights=None, temperature=1.0, return_entropy=False, entropy_weights=None,
 ):
     """Raise a clear error for any malformed argument (no tensor data is read here).
 
@@ -103,6 +103,10 @@ def check_inputs(
     for name, t in (("bias", bias), ("weights", weights)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if entropy_weights is not None and not isinstance(entropy_weights, torch.Tensor):
+        if not _is_real(entropy_weights) or not math.isfinite(entropy_weights):
+            raise TypeError(f"entropy_weights must be a finite number, a tensor or None, got {entropy_weights!r}")
+        entropy_weights = None  # one number: nothing more to check
     if impl not in IMPL_TRAITS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
     if reduction not in REDUCTIONS:
@@ -131,9 +135,11 @@ def check_inputs(
         raise TypeError(f"mixed dtypes: e is {e.dtype} but bias is {bias.dtype}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets must be an integer tensor, got dtype {targets.dtype}")
-    if weights is not None and not weights.dtype.is_floating_point:
-        raise TypeError(f"weights must be a floating-point tensor, got dtype {weights.dtype}")
-    for name, t in (("c", c), ("targets", targets), ("bias", bias), ("weights", weights)):
+    for name, t in (("weights", weights), ("entropy_weights", entropy_weights)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    for name, t in (("c", c), ("targets", targets), ("bias", bias), ("weights", weights),
+                    ("entropy_weights", entropy_weights)):
         if t is not None and t.device != e.device:
             raise ValueError(f"mixed devices: e is on {e.device} but {name} is on {t.device}")
 
@@ -145,8 +151,9 @@ def check_inputs(
     if tuple(targets.shape) != rows:
         what = "e.shape[:-1]" if row_ranks == 1 else f"e.shape[:-1] with dim 0 times {row_ranks} (sequence parallel)"
         raise ValueError(f"shape mismatch: targets {tuple(targets.shape)} must equal {what} = {rows}")
-    if weights is not None and weights.shape != targets.shape:
-        raise ValueError(f"shape mismatch: weights {tuple(weights.shape)} must equal targets' shape {tuple(targets.shape)}")
+    for name, t in (("weights", weights), ("entropy_weights", entropy_weights)):
+        if t is not None and t.shape != targets.shape:
+            raise ValueError(f"shape mismatch: {name} {tuple(t.shape)} must equal targets' shape {tuple(targets.shape)}")
     if bias is not None and tuple(bias.shape) != (c.shape[0],):
         raise ValueError(f"bias must have shape ({c.shape[0]},) to match c's V, got {tuple(bias.shape)}")
     if c.shape[0] == 0:
@@ -236,6 +243,7 @@ def linear_cross_entropy(
     state: Optional[UpstreamState] = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    entropy_weights: Union[float, torch.Tensor, None] = None,
 ):
     """Cross-entropy of the logits e @ c.T (+ bias) without materializing them, on one device.
 
@@ -250,13 +258,14 @@ def linear_cross_entropy(
         z_loss: adds z_loss * lse**2 per token.
         temperature: the logits are divided by it, before the softcap.
         return_entropy: also return each token's entropy (see parallel/api.py).
+        entropy_weights: add each token's entropy times them to its loss (see parallel/api.py).
         The rest: as cce_parallel.linear_cross_entropy (parallel/api.py), without tensor parallelism.
     """
     return sharded_linear_cross_entropy(
         e, c, targets, bias=bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
         return_lse=return_lse, weights=weights, state=state, temperature=temperature,
-        return_entropy=return_entropy,
+        return_entropy=return_entropy, entropy_weights=entropy_weights,
     )
 
 
@@ -279,6 +288,7 @@ def sharded_linear_cross_entropy(
     state: Optional[UpstreamState] = None,
     temperature=1.0,
     return_entropy=False,
+    entropy_weights=None,
     comm: Collectives = SINGLE,
     vocab_start: int = 0,
     vocab_size: Optional[int] = None,
@@ -300,10 +310,10 @@ def sharded_linear_cross_entropy(
         e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
         row_ranks=world if sequence_parallel else 1, weights=weights, temperature=temperature,
-        return_entropy=return_entropy,
+        return_entropy=return_entropy, entropy_weights=entropy_weights,
     )
     shard = c.shape[0]
-    fused = fused_one_pass(e.dtype, softcap, label_smoothing, return_entropy)
+    fused = fused_one_pass(e.dtype, softcap, label_smoothing)
     # The one-pass path sums dC in bf16 (no fp32 main_grad to take it): see ops/one_pass.py. Once the
     # caller's state has seen masked per-token weights in a backward, its per-token calls make dC
     # and dE in fp32 instead, so that their backwards can subtract the masked rows' part.
@@ -334,10 +344,13 @@ def sharded_linear_cross_entropy(
     given = loss_scale is not None and bf16_dc
     loss_scale = float(loss_scale) if given else state.loss_scale if bf16_dc and state is not None else 1.0
     # Per-token weights, fp32, 0 at ignored tokens; "mean" divides by their sum over the kept tokens.
-    w2 = w_sum = None
+    w2 = w_sum = h2 = None
     if weights is not None:
         w2 = torch.where(t2 != ignore_index, weights.reshape(-1).float(), 0.0)
         w_sum = w2.sum() if reduction == "mean" else None
+    if entropy_weights is not None:  # the entropies' weights, fp32, 0 at ignored tokens
+        h = entropy_weights.reshape(-1).float() if isinstance(entropy_weights, torch.Tensor) else float(entropy_weights)
+        h2 = torch.where(t2 != ignore_index, h, 0.0)
 
     def prepare():
         local, keep, counts, scale = prepare_targets(t2, ignore_index, vocab, vocab_start, shard,
@@ -358,7 +371,7 @@ def sharded_linear_cross_entropy(
         impl=impl,
         softcap=float(softcap) if softcap is not None else None,
         temperature=float(temperature),
-        entropy=bool(return_entropy),
+        entropy=bool(return_entropy) or entropy_weights is not None,
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
         vocab_size=vocab,
@@ -380,7 +393,7 @@ def sharded_linear_cross_entropy(
     c_k = c if c.stride(-1) == 1 else c.contiguous()
     bias_k = bias.contiguous() if bias is not None else None
     loss, lse, counts, entropy = LinearCrossEntropyFunction.apply(
-        e2.contiguous(), c_k, bias_k, t2, w2, vocab_start, prepare, check.watch, cfg, comm, sequence_parallel,
+        e2.contiguous(), c_k, bias_k, t2, w2, h2, vocab_start, prepare, check.watch, cfg, comm, sequence_parallel,
         c_main_grad, state,
     )
     check.raise_if_bad(targets, vocab, ignore_index)

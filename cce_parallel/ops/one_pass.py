@@ -23,6 +23,8 @@ the GPU idle while the host prepares the launches. Everything is deterministic: 
 kernels without atomics.
 """
 
+import math
+
 import torch
 
 from cce_parallel.ops.common import (
@@ -33,6 +35,7 @@ from cce_parallel.ops.common import (
     _mm_into,
     _padded,
     coefficients,
+    entropy_coefficients,
     fused_one_pass,
     logits_into,
     token_block,
@@ -40,7 +43,7 @@ from cce_parallel.ops.common import (
 
 
 def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfig, comm, *, main_grad: bool = False,
-             dc_into=None, mean_z=None):
+             dc_into=None, mean_z=None, ent_weights=None):
     """(lse, zt, zsum, dE, dC, dbias, prepared) with the gradients of sum_t g[t] * loss[t]: dE the
     fp32 partial sum over this rank's vocabulary (in e's dtype, rounded once, where dC is and the
     call has one rank: de_dtype below), dbias fp32, dC in c's dtype (fp32 where it goes into an
@@ -48,6 +51,9 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
     module docstring. dc_into: an fp32 [V, D] tensor that dC is added into rather than a new one
     (with main_grad; a mask's correction, ops/autograd.py). mean_z: with cfg.entropy, an fp32 [n]
     tensor that gets each token's sum over the vocabulary of p z (its entropy is lse - that).
+    ent_weights: None, or fp32 [n] weights of the tokens' entropies in the objective (cfg.entropy;
+    0 at ignored tokens): the gradients are then those of sum_t g[t] * loss[t] + h[t] *
+    entropy[t], h = keep * grad_scale * ent_weights.
 
     targets: the caller's (flat, contiguous), rows of c being vocabulary rows start ...
     prepare(): the targets' pass, prepared = (each token's row of c or -1, keep, counts,
@@ -77,8 +83,14 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
     n, d = e.shape
     v = c.shape[0]
     f32 = dict(device=e.device, dtype=torch.float32)
-    fused = fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing, cfg.entropy)
+    fused = fused_one_pass(e.dtype, cfg.softcap, cfg.label_smoothing)
     uniform = cfg.label_smoothing > 0
+    if cfg.entropy and mean_z is None:
+        mean_z = torch.empty(n, **f32)
+    # With the entropy in the objective W's entries are rewritten (kernels.grad_rows), the softcap's
+    # factor with them: the GEMM leaves it out.
+    probs = dict(softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel, temperature=cfg.temperature,
+                 need_pz=cfg.entropy, cap_in_w=ent_weights is None)
     # The same token blocks on every rank (each block's statistics are all-reduced), sized by the
     # largest shard.
     buf_dtype = e.dtype if fused else torch.float32
@@ -89,13 +101,12 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
     if fused and n > 0:
         buf = torch.empty((nt, _padded(v)), device=e.device, dtype=buf_dtype)
         k = min(n, nt)
-        first_stats = kernels.logits_probs(e[:k], c, bias, targets[:k], start, buf[:k, :v], zt[:k],
-                                           softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel,
-                                           temperature=cfg.temperature)
+        first_stats = kernels.logits_probs(e[:k], c, bias, targets[:k], start, buf[:k, :v], zt[:k], **probs)
     prepared = prepare()
     bad = _BadTargets(prepared[2], comm, watch)  # sent with the first block's statistics
     raw, targets = targets, prepared[0]
     g_rows = torch.mul(prepared[1], prepared[3])
+    ent_rows = g_rows * ent_weights if ent_weights is not None else None  # h, as g_rows is g
     if weights is not None:  # per-token weights: the weighted loss's gradients, in the same pass
         g_rows = g_rows * weights
     zsum = torch.empty(n, **f32) if uniform else None
@@ -140,8 +151,9 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
     # largest per-token weight (grad_scale) near 1: one scale for all blocks, divided out at the end.
     if fused:
         scale = None
-    elif e.dtype == torch.float16:
-        scale = kernels.grad_scale(g_rows, g_rows)  # from the weights: no block's lse is known yet
+    elif e.dtype == torch.float16:  # from the weights (no block's lse is known yet); |p (z - E[z])| < log V
+        scale = kernels.grad_scale(g_rows, g_rows,
+                                   ent_rows * math.log(max(cfg.vocab_size, 2)) if ent_rows is not None else None)
     else:
         scale = torch.ones(1, **f32)
     for t0 in range(0, n, nt):
@@ -154,22 +166,24 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
                     slots = _TargetRows(targets, v, d)
                 slots.fold(dc, back=False)  # the target rows' sums so far leave dC
             if t0 == 0:
-                ref, s, zs = first_stats
+                ref, s, zs, pz = first_stats
             else:
-                ref, s, zs = kernels.logits_probs(e_b, c, bias, raw[rows], start, x, zt[rows],
-                                                  softcap=cfg.softcap, need_zsum=uniform, config=cfg.kernel,
-                                                  temperature=cfg.temperature)
+                ref, s, zs, pz = kernels.logits_probs(e_b, c, bias, raw[rows], start, x, zt[rows], **probs)
             m = ref
             if comm.world > 1:  # the ranks' statistics: one MAX and one SUM all-reduce
-                m, s, zt[rows], zs, _ = _combine(ref, s, zt[rows], zs, comm, bad=bad)
+                m, s, zt[rows], zs, pz = _combine(ref, s, zt[rows], zs, comm, bad=bad, pz=pz)
             if zsum is not None:
                 zsum[rows] = zs
+            if mean_z is not None:
+                mean_z[rows] = pz / s
             k = rows.stop - t0
             _fused_products(
                 x, ref, m, s, e_b, c, t_b, g_rows[rows], cfg, lse[rows], zt[rows], w_rows[:k],
                 b_all[rows] if b_all is not None else b_rows[:k], de[rows] if de is not None else None, dc, db,
                 csum, u_rows, first=t0 == 0 and dc_into is None, dc_target=b_all is None,
                 de_tmp=de_tmp[:k] if de_tmp is not None else None,
+                h_rows=ent_rows[rows] if ent_rows is not None else None,
+                mean_z=mean_z[rows] if mean_z is not None else None,
             )
             continue
         logits_into(x, e_b, c)
@@ -180,7 +194,9 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
         if zsum is not None:
             zsum[rows] = zs
         _two_pass_products(x, e_b, c, bias, t_b, g_rows[rows], scale, cfg, lse[rows],
-                           de[rows] if de is not None else None, dc, db, first=t0 == 0 and dc_into is None)
+                           de[rows] if de is not None else None, dc, db, first=t0 == 0 and dc_into is None,
+                           h_rows=ent_rows[rows] if ent_rows is not None else None,
+                           mean_z=mean_z[rows] if ent_rows is not None else None)
     del buf, x  # x, the last block's view, would keep the buffer alive past here
     if e.dtype == torch.float16 and not fused:
         for t in (de, dc, db):  # the products' power-of-two scale, divided out once (exact)
@@ -200,7 +216,7 @@ def one_pass(e, c, bias, targets, weights, start, prepare, watch, cfg: LossConfi
 
 
 def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b, de_rows, dc, db, csum, u_rows,
-                    *, first, dc_target, de_tmp=None):
+                    *, first, dc_target, de_tmp=None, h_rows=None, mean_z=None):
     """dE rows, dC and dbias of one block from W = exp(z - ref) and the statistics over the whole
     vocabulary (m, s: see kernels.grad_rows, which writes lse and the per-token w and B' into the
     given [k] buffers): the gradient is w W - B' [target] - U. Where the target is unlikely (p <
@@ -215,13 +231,15 @@ def _fused_products(w_mat, ref, m, s, e, c, targets, g_rows, cfg, lse, zt, w, b,
     v = c.shape[0]
     if cfg.temperature != 1.0:  # d z / d x = 1 / temperature (before the softcap's factor)
         g_rows = g_rows * (1.0 / cfg.temperature)
+        h_rows = h_rows * (1.0 / cfg.temperature) if h_rows is not None else None
     # Products in fp32, each rounded once. dC goes first, so that w E can sit in the memory of dE's
     # rows, which the GEMM below then writes.
     we = None
     if dc is not None:
         we = torch.empty_like(e) if de_rows is None else de_rows.view(-1).view(e.dtype)[: e.numel()].view_as(e)
     kernels.grad_rows(w_mat, ref, m, s, zt, g_rows, targets, lse, w, b, e if we is not None else None, we,
-                      softcap=cfg.softcap, z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing)
+                      softcap=cfg.softcap, z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing,
+                      h=h_rows.contiguous() if h_rows is not None else None, mean_z=mean_z)
     u = g_rows * (cfg.label_smoothing / cfg.vocab_size) if cfg.label_smoothing > 0 else None
     if dc is not None:
         _mm_into(dc, w_mat.t(), we, accumulate=not first)
@@ -317,15 +335,19 @@ class _TargetRows:
         kernels.fold_rows(dc, self.acc, self.rows, back=back)
 
 
-def _two_pass_products(x, e, c, bias, targets, g_rows, scale, cfg, lse, de_rows, dc, db, *, first):
+def _two_pass_products(x, e, c, bias, targets, g_rows, scale, cfg, lse, de_rows, dc, db, *, first, h_rows=None,
+                       mean_z=None):
     """dE rows, dC and dbias of one block whose lse is known, times `scale` (fp32 [1]): the logit
-    gradient in place, then GEMMs."""
+    gradient in place, then GEMMs. h_rows, mean_z: the entropies' weights and E[z], or None."""
     from cce_parallel import kernels
 
     a, b, u = coefficients(g_rows, None, lse, cfg)
+    k = None
+    if h_rows is not None:
+        a, k = entropy_coefficients(a, h_rows, mean_z, cfg)
     g = kernels.dz_rows_in_place(
         x, bias, targets, lse, a, b, u, scale, e.dtype, softcap=cfg.softcap, config=cfg.kernel,
-        temperature=cfg.temperature,
+        temperature=cfg.temperature, coef_h=k,
     )
     if de_rows is not None:
         _mm_into(de_rows, g, c, accumulate=False)

@@ -30,6 +30,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     return_entropy: bool = False,
     weights: Optional[torch.Tensor] = None,
+    entropy_weights: Union[float, torch.Tensor, None] = None,
     state: Optional[UpstreamState] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_range: Optional[Tuple[int, int]] = None,
@@ -72,7 +73,8 @@ def linear_cross_entropy(
             soft-capped) logits over the full vocabulary, lse - sum_v p_v z_v (fp32, shaped like
             targets, 0 where ignored; not multiplied by weights); it is differentiable. Its sum
             over the vocabulary is all-reduced with the statistics under tensor parallelism, never
-            gathered. A backward that uses it recomputes the gradients (the lean path), exact.
+            gathered. A backward that uses it recomputes the gradients (the lean path), exact;
+            entropy_weights put it in the loss instead, at no such cost.
         weights: per-token weights known before the forward (a loss mask, SFT token weights, RL
             advantages), shaped like targets, any float dtype, any sign: each kept token's loss
             is multiplied by its weight, and the one-pass gradients are made for the weighted
@@ -80,6 +82,14 @@ def linear_cross_entropy(
             reduction="none" loss by weights afterwards gives the same numbers but costs a
             recompute of ∇c in the backward. A weights tensor that requires grad gets the
             per-token loss as its gradient.
+        entropy_weights: a number, or per-token weights shaped like targets, known before the
+            forward (an RL entropy bonus is negative: -0.01 / N with reduction="sum" for
+            -0.01 * entropy.mean()): each kept token's loss becomes weights * loss +
+            entropy_weights * entropy, the entropy as return_entropy gives it, and the one-pass
+            gradients are made for that in the same pass (W's entries rescaled in one more pass
+            over the block's logits buffer). reduction applies to that sum; "mean" divides by the
+            same count (or sum of weights) as without it. A tensor that requires grad gets the
+            per-token entropy as its gradient.
         state: an UpstreamState that keeps what this loss learns from its backwards (how the
             upstream gradient was weighted, the loss scale) and records the paths taken;
             LinearCrossEntropy and the Megatron layer pass their own. None (a plain call):
@@ -110,8 +120,8 @@ def linear_cross_entropy(
     options = dict(
         bias=bias, ignore_index=ignore_index, softcap=softcap, temperature=temperature,
         label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget,
-        loss_scale=loss_scale, return_lse=return_lse, return_entropy=return_entropy, weights=weights, state=state,
-        c_main_grad=_main_grad_source(main_grad, c),
+        loss_scale=loss_scale, return_lse=return_lse, return_entropy=return_entropy, weights=weights,
+        entropy_weights=entropy_weights, state=state, c_main_grad=_main_grad_source(main_grad, c),
     )
     if tp_group is None:
         if vocab_range is not None or sequence_parallel:
@@ -128,7 +138,7 @@ def linear_cross_entropy(
             e, c, targets, bias, ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
             z_loss=z_loss, reduction=reduction, impl=impl, logits_budget=logits_budget, loss_scale=loss_scale,
             row_ranks=world if sequence_parallel else 1, weights=weights, temperature=temperature,
-            return_entropy=return_entropy,
+            return_entropy=return_entropy, entropy_weights=entropy_weights,
         )
         if vocab_range is not None:
             if len(vocab_range) != 2 or not all(isinstance(x, int) for x in vocab_range):
@@ -166,7 +176,8 @@ def _main_grad_source(main_grad, c):
 
 
 class LinearCrossEntropy(torch.nn.Module):
-    """Cut cross-entropy loss with fixed options; forward(e, c, targets, bias=None, weights=None).
+    """Cut cross-entropy loss with fixed options; forward(e, c, targets, bias=None, weights=None,
+    entropy_weights=None).
 
     Takes the same keyword options as `cce_parallel.linear_cross_entropy`, tp_group and loss_scale
     included (held in `options`, shown in its repr). It owns an UpstreamState, `state`: what its own
@@ -178,15 +189,16 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, **options):
         super().__init__()
-        allowed = set(linear_cross_entropy.__kwdefaults__) - {"bias", "weights", "state"}
+        allowed = set(linear_cross_entropy.__kwdefaults__) - {"bias", "weights", "entropy_weights", "state"}
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"LinearCrossEntropy got unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
         self.options = options
         self.state = UpstreamState()
 
-    def forward(self, e, c, targets, bias=None, weights=None):
-        return linear_cross_entropy(e, c, targets, bias=bias, weights=weights, state=self.state, **self.options)
+    def forward(self, e, c, targets, bias=None, weights=None, entropy_weights=None):
+        return linear_cross_entropy(e, c, targets, bias=bias, weights=weights, entropy_weights=entropy_weights,
+                                    state=self.state, **self.options)
 
     def reset_state(self):
         """Forget what the backwards taught (UpstreamState.reset)."""

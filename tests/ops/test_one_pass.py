@@ -320,7 +320,7 @@ def test_fused_gemm_references_are_exact_powers_of_two(device):
     c = torch.eye(300, device=device, dtype=torch.float32)
     w = torch.empty(7, 300, device=device, dtype=torch.float32)
     zt = torch.zeros(7, device=device)
-    ref, s, _ = kernels.logits_probs(e, c, None, targets, 0, w, zt, softcap=None, need_zsum=False, config=cfg)
+    ref, s, _, _ = kernels.logits_probs(e, c, None, targets, 0, w, zt, softcap=None, need_zsum=False, config=cfg)
     zf = e.double()
     step = 128 / math.log2(math.e)
     gap = zf.max(dim=1).values - ref.double()
@@ -366,7 +366,7 @@ def test_fused_gemm_stores_alike_with_and_without_the_copy_engine(device):
         out = buf[:, :cols]
         assert probs_gemm._tma_usable(e, c[:cols], out) == tma
         zt = torch.zeros(n, device=device)
-        ref, s, _ = kernels.logits_probs(e, c[:cols], None, targets, 0, out, zt, softcap=None, need_zsum=False,
+        ref, s, _, _ = kernels.logits_probs(e, c[:cols], None, targets, 0, out, zt, softcap=None, need_zsum=False,
                                          config=cfg)
         assert bool((buf[:, cols:] == -7.0).all())  # nothing written past V
         results.append((out.clone(), ref, s, zt))
@@ -493,7 +493,7 @@ def test_fused_gemm_falls_back_to_tiles_that_fit(device, monkeypatch):
     for expected in ([(64, 3), (64, 2), (32, 2)], [(32, 2)]):
         tried.clear()
         w, zt = torch.empty(20, 100, device=device), torch.zeros(20, device=device)
-        ref, s, _ = kernels.logits_probs(e, c, None, targets, 0, w, zt, softcap=None, need_zsum=False, config=cfg)
+        ref, s, _, _ = kernels.logits_probs(e, c, None, targets, 0, w, zt, softcap=None, need_zsum=False, config=cfg)
         assert tried == expected
         z = e.double() @ c.double().t()
         assert rel_err(w.double(), torch.exp(z - ref.double()[:, None])) < 1e-5
@@ -591,9 +591,10 @@ def test_token_blocks_are_equal_and_fit_the_budget():
                 assert rows == 1 or rows * v * itemsize <= budget
 
 
-def _torch_logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config, temperature=1.0):
+def _torch_logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zsum, config, temperature=1.0,
+                        need_pz=False, cap_in_w=True):
     """A PyTorch stand-in for kernels.logits_probs (the interpreter runs Triton in fp32 only)."""
-    assert softcap is None and not need_zsum and temperature == 1.0
+    assert softcap is None and not need_zsum and temperature == 1.0 and not need_pz
     z = e.float() @ c.float().T + (bias.float() if bias is not None else 0.0)
     ref = z.max(dim=1).values
     p = torch.exp(z - ref[:, None])
@@ -601,7 +602,7 @@ def _torch_logits_probs(e, c, bias, targets, start, out, zt, *, softcap, need_zs
     targets = targets.long() - start
     here = (targets >= 0) & (targets < c.shape[0])
     zt.copy_(torch.where(here, z.gather(1, targets.clamp(0, c.shape[0] - 1)[:, None]).squeeze(1), 0.0))
-    return ref, p.sum(dim=1), None
+    return ref, p.sum(dim=1), None, None
 
 
 def _torch_scaled_copy(x, scale, dtype):
@@ -629,9 +630,10 @@ def _torch_fold_rows(out, acc, rows, *, back):
 
 
 def _torch_weighted_grads(flag, e, c, bias, targets, lse, a, b, u, scale, dc, db, de=None, *, softcap, add_dc,
-                          temperature=1.0):
-    """A PyTorch stand-in for kernels.weighted_grads (bf16 inputs; no bias, softcap, temperature or smoothing)."""
-    assert bias is None and softcap is None and u is None and db is None and temperature == 1.0
+                          temperature=1.0, h=None):
+    """A PyTorch stand-in for kernels.weighted_grads (bf16 inputs; no bias, softcap, temperature, smoothing or
+    entropy)."""
+    assert bias is None and softcap is None and u is None and db is None and temperature == 1.0 and h is None
     if not flag.item():
         return
     p = torch.exp(e.float() @ c.float().T - lse[:, None])
@@ -1381,7 +1383,7 @@ def test_weighted_grads_retries_smaller_tiles_when_shared_memory_runs_out(device
     assert module._FITTING == {(e.device, e.dtype): module._smaller(first)}
     assert module._smaller({"BLOCK_D": 64, "num_stages": 2}) == {"BLOCK_D": 32, "num_stages": 2}
     assert module._smaller({"BLOCK_D": 32, "num_stages": 2}) == {"BLOCK_D": 32, "num_stages": 1}
-    real(first, flag, e, c, None, targets, lse, a, a, None, torch.ones(1, device=device), want, None, None,
+    real(first, flag, e, c, None, targets, lse, a, a, None, None, torch.ones(1, device=device), want, None, None,
          None, 1.0, False)
     assert dc.any() and rel_err(dc, want) < 1e-6  # the smaller tiles compute what the default ones do
     with pytest.raises(OutOfResources):
