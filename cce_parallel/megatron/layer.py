@@ -5,13 +5,16 @@ Shapes (s: sequence, b: micro-batch, h: hidden, V: the padded vocabulary, tp: te
     weight   [V/tp, h]: this rank's rows [r·V/tp, (r+1)·V/tp) of the output weight, Megatron's layout
     labels   [b, s] integer ids in [0, V), as GPTModel gets them
     loss_weights  optional [b, s] float per-token weights, known before the forward (any sign)
+    entropy_weights  optional, a number or [b, s] float per-token weights of each token's entropy
     returns  with labels: (loss [b, s] float32 per token, unreduced, None), loss_weights · loss where
-             given; with return_log_probs ({"log_probs": [b, s], "entropy": [b, s]}, None), both
-             float32 at the options' temperature; the logits are never built.
+             given, plus entropy_weights · entropy where given; with return_log_probs
+             ({"log_probs": [b, s], "entropy": [b, s]}, None), both float32 at the options'
+             temperature; the logits are never built.
              without labels: ColumnParallelLinear's own (logits [s, b, V/tp] or gathered [s, b, V], bias).
 
 With labels the loss is ``cce_parallel.linear_cross_entropy(input_, weight, labels.T, reduction="none",
-weights=loss_weights.T, state=layer.cce_state, tp_group=..., sequence_parallel=...)``: the same value
+weights=loss_weights.T, entropy_weights=entropy_weights.T, state=layer.cce_state, tp_group=...,
+sequence_parallel=...)``: the same value
 as Megatron's ``ColumnParallelLinear`` followed by ``vocab_parallel_cross_entropy`` (times the
 weights), over the whole padded vocabulary as Megatron computes it (padding rows are trainable rows
 of the weight in Megatron, and their logits enter the softmax there too).
@@ -39,14 +42,17 @@ recomputes ∇weight.
 Per-token weights that are not a 0/1 mask (SFT token weights, RL advantages) go in as
 ``loss_weights``: the gradients are then made for the weighted loss in the forward, and the caller
 sums the returned loss (or divides it by one number) with no recompute. Multiplying the loss by
-them afterwards gives the same numbers, but the backward recomputes ∇weight.
+them afterwards gives the same numbers, but the backward recomputes ∇weight. ``entropy_weights``
+(a number, or [b, s]) add each token's entropy at the temperature times them to its loss (an RL
+entropy bonus, negative), its gradients made in the forward alike: linear_cross_entropy's
+``entropy_weights``.
 
 Post-training (RL): ``forward(hidden, labels=labels, return_log_probs=True)`` (or
 ``per_token_log_probs``) returns each token's log p(label) and its distribution's entropy at
 ``CCEOptions.temperature``, vocab-parallel, differentiable: ``linear_cross_entropy(...,
 return_entropy=True)``, its loss negated, on the lean path (no gradients made in the forward: the
 objective of them is not known there, and the backward recomputes). It needs a loss that is the
-cross-entropy alone (no label_smoothing, no z_loss) and no loss_weights.
+cross-entropy alone (no label_smoothing, no z_loss) and no loss_weights or entropy_weights.
 
 State: the layer owns a ``cce_parallel.UpstreamState``, ``layer.cce_state``, passed to every call:
 what its backwards taught it (per-token weights that come only in the backward make its later
@@ -57,9 +63,10 @@ for another number teaches the loss scale) and a Counter of the paths taken (``c
 Multi-token prediction (``config.mtp_num_layers`` = n): GPTModel calls the layer once per MTP depth
 and then once for the main head in the same forward (see ``cce_parallel.megatron.model``).
 ``route_labels(labels, mtp_labels=[l_1, ..., l_n])`` hands the first n calls without labels the
-depths' labels, in order, then the main head its own. Depth k's upstream gradient is another
-number than the main head's (megatron scales its loss by ``mtp_loss_scaling_factor /
-mtp_num_layers``), so it has a state of its own, ``layer.mtp_cce_states[k]`` (k = 1 .. n, megatron's ``mtp_k loss``): what depth k's
+depths' labels, in order, then the main head its own (with its loss_weights and entropy_weights).
+Depth k's upstream gradient is another number than the main head's (megatron scales its loss by
+``mtp_loss_scaling_factor / mtp_num_layers``), so it has a state of its own,
+``layer.mtp_cce_states[k]`` (k = 1 .. n, megatron's ``mtp_k loss``): what depth k's
 backwards teach never reaches the main head's ``cce_state``, nor another depth's. Its loss scale
 is ``CCEOptions.loss_scale · mtp_loss_scaling_factor / mtp_num_layers`` where the option is given
 (and ``calculate_per_token_loss`` is off), else what its state learned. The repr shows these
@@ -284,6 +291,7 @@ class CCEOutputLayer(ColumnParallelLinear):
         self.cce_options = options
         self._cce_pending_labels = None  # labels routed here by GPTModel._postprocess (see use_cce)
         self._cce_pending_weights = None  # and their per-token weights (loss_weights)
+        self._cce_pending_entropy_weights = None  # and the entropy's (entropy_weights)
         self._cce_pending_mtp = []  # (depth, labels) of the MTP depths' calls, before the main head's
         self._cce_pending_log_probs = False  # and whether the main head's call returns log-probs
         self._cce_last_loss = None
@@ -307,9 +315,11 @@ class CCEOutputLayer(ColumnParallelLinear):
         labels: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
         return_log_probs: bool = False,
+        entropy_weights: float | torch.Tensor | None = None,
     ):
         """With labels (or labels routed by ``use_cce``): (loss [b, s] fp32, None), times
-        ``loss_weights`` [b, s] where given; with ``return_log_probs`` ({"log_probs": [b, s],
+        ``loss_weights`` [b, s] where given, plus ``entropy_weights`` times each token's entropy
+        where given (``per_token_loss``); with ``return_log_probs`` ({"log_probs": [b, s],
         "entropy": [b, s]}, None) instead (``per_token_log_probs``). Without labels:
         ColumnParallelLinear's (logits, bias), honouring ``weight`` and ``runtime_gather_output``.
 
@@ -318,9 +328,13 @@ class CCEOutputLayer(ColumnParallelLinear):
         model's ``compute_language_model_loss`` makes the dict of it (``routed_output``)."""
         routed = labels is None and self._cce_pending_labels is not None
         if routed:
-            if loss_weights is not None or return_log_probs:
-                what = "loss_weights" if loss_weights is not None else "return_log_probs"
-                raise ValueError(f"{what} was given twice: to the layer's forward and to route_labels")
+            twice = [name for name, given in (
+                ("loss_weights", loss_weights is not None),
+                ("entropy_weights", entropy_weights is not None),
+                ("return_log_probs", return_log_probs),
+            ) if given]
+            if twice:
+                raise ValueError(f"{twice[0]} was given twice: to the layer's forward and to route_labels")
             if self._cce_pending_mtp:  # an MTP depth's call (they come before the main head's)
                 depth, depth_labels = self._cce_pending_mtp.pop(0)
                 loss = self.per_token_loss(input_, depth_labels, weight, mtp_depth=depth)
@@ -328,15 +342,16 @@ class CCEOutputLayer(ColumnParallelLinear):
                 return loss, None
             labels, self._cce_pending_labels = self._cce_pending_labels, None
             loss_weights, self._cce_pending_weights = self._cce_pending_weights, None
+            entropy_weights, self._cce_pending_entropy_weights = self._cce_pending_entropy_weights, None
             return_log_probs, self._cce_pending_log_probs = self._cce_pending_log_probs, False
         if not isinstance(return_log_probs, bool):
             raise TypeError(f"return_log_probs must be a bool, got {return_log_probs!r}")
         if labels is None:
-            if loss_weights is not None:
-                raise ValueError(
-                    "loss_weights weight the per-token loss; without labels the layer returns logits. "
-                    "Pass labels too"
-                )
+            for name, w in (("loss_weights", loss_weights), ("entropy_weights", entropy_weights)):
+                if w is not None:
+                    raise ValueError(
+                        f"{_WEIGHTS_DO[name]}; without labels the layer returns logits. Pass labels too"
+                    )
             if return_log_probs:
                 raise ValueError(
                     "return_log_probs returns the labels' log-probs; without labels the layer returns "
@@ -344,14 +359,16 @@ class CCEOutputLayer(ColumnParallelLinear):
                 )
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         if return_log_probs:
-            if loss_weights is not None:
-                raise ValueError(_LOG_PROBS_AND_WEIGHTS)
+            if loss_weights is not None or entropy_weights is not None:
+                raise ValueError(_log_probs_and_weights(loss_weights))
             out = self.per_token_log_probs(input_, labels, weight)
             if routed:
                 self._cce_last_loss, self._cce_last_entropy = out["log_probs"], out["entropy"]
                 return out["log_probs"], None
             return out, None
-        loss = self.per_token_loss(input_, labels, weight, loss_weights=loss_weights)
+        loss = self.per_token_loss(
+            input_, labels, weight, loss_weights=loss_weights, entropy_weights=entropy_weights
+        )
         if routed:
             self._cce_last_loss = loss
         return loss, None
@@ -369,7 +386,8 @@ class CCEOutputLayer(ColumnParallelLinear):
         ``label_smoothing`` and ``z_loss`` must be 0 (ValueError). A backward through either output
         recomputes the gradients (exact; the lean path): the objective of an RL step is a function of
         them that the forward cannot know. Per-token weights known before the forward go into
-        ``per_token_loss(..., loss_weights=...)`` instead, whose gradients are made in the forward.
+        ``per_token_loss(..., loss_weights=..., entropy_weights=...)`` instead, whose gradients are
+        made in the forward.
         """
         o = self.cce_options
         if o.label_smoothing or o.z_loss:
@@ -396,6 +414,7 @@ class CCEOutputLayer(ColumnParallelLinear):
         weight: torch.Tensor | None = None,
         *,
         loss_weights: torch.Tensor | None = None,
+        entropy_weights: float | torch.Tensor | None = None,
         mtp_depth: int | None = None,
     ):
         """loss [b, s] fp32 for hidden states [s(/tp), b, h] and labels [b, s]; see the module doc.
@@ -406,16 +425,26 @@ class CCEOutputLayer(ColumnParallelLinear):
         number) by the caller, the backward only scales them. A loss_weights tensor that requires
         grad gets the unweighted per-token loss as its gradient.
 
+        entropy_weights: a finite number, or [b, s] like loss_weights, or None: each token's loss
+        then gets entropy_weights · entropy added (its distribution's entropy over the whole padded
+        vocabulary at ``cce_options.temperature``, 0 where the label is ignore_index), e.g. an RL
+        entropy bonus, -coef / n over n response tokens; its gradients are made in the forward too
+        (linear_cross_entropy's entropy_weights). A tensor that requires grad gets the entropy.
+
         mtp_depth: k in 1 .. mtp_num_layers for the loss of multi-token-prediction depth k: the
         call then uses that depth's state (``mtp_cce_states[k]``) and loss scale (module doc).
 
         Misuse raises ValueError / TypeError on every rank of the tensor-parallel group (the
         others learn of it in the loss's first collective), never a hang.
         """
-        return self._cross_entropy(input_, labels, weight, loss_weights=loss_weights, mtp_depth=mtp_depth)
+        return self._cross_entropy(
+            input_, labels, weight, loss_weights=loss_weights, entropy_weights=entropy_weights,
+            mtp_depth=mtp_depth,
+        )
 
     def _cross_entropy(
-        self, input_, labels, weight, *, loss_weights=None, mtp_depth=None, return_entropy=False
+        self, input_, labels, weight, *, loss_weights=None, entropy_weights=None, mtp_depth=None,
+        return_entropy=False,
     ):
         """per_token_loss; with return_entropy (per_token_log_probs) (loss, entropy), both [b, s],
         on the lean path: the objective of them is not known in the forward, so gradients made there
@@ -445,7 +474,9 @@ class CCEOutputLayer(ColumnParallelLinear):
                 )
             self._check_labels(input_, labels, tp if sequence_parallel else 1)
             if loss_weights is not None:
-                _check_loss_weights(input_, labels, loss_weights)
+                _check_token_weights("loss_weights", input_, labels, loss_weights)
+            if entropy_weights is not None:
+                _check_token_weights("entropy_weights", input_, labels, entropy_weights, number_ok=True)
             if self.bias is not None and self.skip_bias_add:
                 raise ValueError(
                     "skip_bias_add returns the bias for the caller to add; a fused loss cannot do that"
@@ -478,6 +509,8 @@ class CCEOutputLayer(ColumnParallelLinear):
             bias=self.bias,
             reduction="none",
             weights=None if loss_weights is None else loss_weights.t(),
+            entropy_weights=entropy_weights.t() if isinstance(entropy_weights, torch.Tensor)
+            else entropy_weights,  # a number, or None
             state=state,
             **loss_kwargs,
             return_entropy=return_entropy,
@@ -558,10 +591,12 @@ class CCEOutputLayer(ColumnParallelLinear):
         loss_weights: torch.Tensor | None = None,
         mtp_labels: list | tuple = (),
         return_log_probs: bool = False,
+        entropy_weights: float | torch.Tensor | None = None,
     ):
         """Within the block, the next call without labels computes the loss with these labels (and
-        these per-token weights [b, s], where given), or with return_log_probs their log-probs and
-        entropy (the call returns the log-probs tensor; ``routed_output`` makes the dict of it).
+        these per-token weights [b, s] and entropy weights, where given), or with return_log_probs
+        their log-probs and entropy (the call returns the log-probs tensor; ``routed_output`` makes
+        the dict of it).
 
         mtp_labels: [l_1, ..., l_n], labels [b, s] of the multi-token-prediction depths 1 .. n,
         whose calls come first (GPTModel's order): the first n calls without labels compute depth
@@ -574,14 +609,15 @@ class CCEOutputLayer(ColumnParallelLinear):
                 f"{len(mtp_labels)} MTP depths' labels for a layer with mtp_num_layers="
                 f"{getattr(self.config, 'mtp_num_layers', None)}"
             )
-        if return_log_probs and (loss_weights is not None or mtp_labels):
+        if return_log_probs and (loss_weights is not None or entropy_weights is not None or mtp_labels):
             raise ValueError(
-                _LOG_PROBS_AND_WEIGHTS
-                if loss_weights is not None
-                else "return_log_probs with MTP depths' labels: a model with multi-token prediction "
+                "return_log_probs with MTP depths' labels: a model with multi-token prediction "
                 "returns its loss"
+                if loss_weights is None and entropy_weights is None
+                else _log_probs_and_weights(loss_weights)
             )
         self._cce_pending_labels, self._cce_pending_weights = labels, loss_weights
+        self._cce_pending_entropy_weights = entropy_weights
         self._cce_pending_mtp = list(enumerate(mtp_labels, start=1))
         self._cce_pending_log_probs = bool(return_log_probs)
         self._cce_last_loss = self._cce_last_entropy = None
@@ -597,7 +633,7 @@ class CCEOutputLayer(ColumnParallelLinear):
                     "call's labels; this megatron-core version's GPTModel._postprocess calls it another way"
                 )
         finally:
-            self._cce_pending_labels = self._cce_pending_weights = None
+            self._cce_pending_labels = self._cce_pending_weights = self._cce_pending_entropy_weights = None
             self._cce_pending_mtp = []
             self._cce_pending_log_probs = False
             self._cce_last_loss = self._cce_last_entropy = None
@@ -622,37 +658,50 @@ class CCEOutputLayer(ColumnParallelLinear):
         return super().__repr__()[:-1] + f", impl={self.cce_options.impl}, cce_state={self.cce_state!r}{mtp})"
 
 
-_LOG_PROBS_AND_WEIGHTS = (
-    "return_log_probs and loss_weights together: loss_weights weight the per-token loss (its gradients "
-    "made in the forward), return_log_probs returns the unweighted log-probs for an objective computed "
-    "from them; pass one or the other"
-)
+_WEIGHTS_DO = {  # what each keyword does, for the errors
+    "loss_weights": "loss_weights weight the per-token loss",
+    "entropy_weights": "entropy_weights add each token's entropy to its loss",
+}
 
 
-def _check_loss_weights(input_, labels, loss_weights):
-    """TypeError / ValueError unless loss_weights is a float tensor shaped like the labels [b, s],
-    on the hidden states' device (checked here, in Megatron's layout, rather than by the loss,
-    which sees them transposed)."""
-    if not isinstance(loss_weights, torch.Tensor):
-        raise TypeError(f"loss_weights must be a torch.Tensor or None, got {type(loss_weights).__name__}")
-    if not loss_weights.is_floating_point():
+def _log_probs_and_weights(loss_weights) -> str:
+    """The error of return_log_probs with loss_weights or entropy_weights."""
+    what = "loss_weights" if loss_weights is not None else "entropy_weights"
+    return (
+        f"return_log_probs and {what} together: {_WEIGHTS_DO[what]} (its gradients made in the forward), "
+        "return_log_probs returns the unweighted log-probs for an objective computed from them; pass one "
+        "or the other"
+    )
+
+
+def _check_token_weights(name: str, input_, labels, weights, number_ok: bool = False):
+    """TypeError / ValueError unless `weights` (named `name` in the error) is a float tensor shaped
+    like the labels [b, s], on the hidden states' device, or with number_ok a finite number (checked
+    here, in Megatron's layout, rather than by the loss, which sees them transposed)."""
+    if number_ok and _is_real(weights):
+        if not math.isfinite(weights):
+            raise ValueError(f"{name} must be finite, got {weights!r}")
+        return
+    if not isinstance(weights, torch.Tensor):
+        what = "a finite number, a torch.Tensor" if number_ok else "a torch.Tensor"
+        raise TypeError(f"{name} must be {what} or None, got {type(weights).__name__}")
+    if not weights.is_floating_point():
         raise TypeError(
-            f"loss_weights must be a floating-point tensor, got dtype {loss_weights.dtype} "
+            f"{name} must be a floating-point tensor, got dtype {weights.dtype} "
             "(a 0/1 mask: fold it into the labels with mask_labels, or pass it as float)"
         )
-    if loss_weights.shape != labels.shape:
+    if weights.shape != labels.shape:
         b, s = labels.shape
         hint = ""
-        if tuple(loss_weights.shape) == (s, b):
+        if tuple(weights.shape) == (s, b):
             hint = " (they look like [s, b]; Megatron's layout, as for the labels, is [b, s])"
+        elif number_ok and weights.dim() == 0:
+            hint = " (one number: pass it as a Python float)"
         raise ValueError(
-            f"loss_weights must be shaped like the labels [b, s] = {(b, s)}; "
-            f"got {tuple(loss_weights.shape)}{hint}"
+            f"{name} must be shaped like the labels [b, s] = {(b, s)}; got {tuple(weights.shape)}{hint}"
         )
-    if loss_weights.device != input_.device:
-        raise ValueError(
-            f"loss_weights are on {loss_weights.device}, but the hidden states are on {input_.device}"
-        )
+    if weights.device != input_.device:
+        raise ValueError(f"{name} are on {weights.device}, but the hidden states are on {input_.device}")
 
 
 def _fail_on_every_rank(err: Exception, input_, group, sequence_parallel: bool):

@@ -32,6 +32,11 @@ has no ``output_processor`` hook in ``GPTModel.forward``, so ``use_cce`` does th
   switched rejects it (TypeError) instead of ignoring it. Earlier pipeline stages ignore it, as
   they ignore the labels. With ``loss_mask`` too, masked tokens give 0 and the others their
   weighted loss.
+- ``model(..., labels=labels, entropy_weights=h)``: h a number or [b, s] float weights known before
+  the forward; the model returns loss + h · entropy per token (times loss_weights too where given:
+  w · loss + h · entropy), each token's entropy at ``CCEOptions.temperature``, the gradients made
+  for that in the forward (an RL entropy bonus, folded; the layer's ``per_token_loss``). The same
+  keyword as loss_weights, routed and refused alike.
 
 - ``model(..., labels=labels, return_log_probs=True)``: instead of the loss, {"log_probs": [b, s],
   "entropy": [b, s]} (fp32, differentiable, at ``CCEOptions.temperature``; 0 where loss_mask is 0
@@ -39,9 +44,9 @@ has no ``output_processor`` hook in ``GPTModel.forward``, so ``use_cce`` does th
   from (verl's actor hands its loss function such a dict). A keyword for the reasons above. The
   layer returns the log-probs tensor in the logits' place, for megatron-core's code to hand on,
   and ``compute_language_model_loss`` makes the dict of it with the entropy of the same call.
-  Refused (ValueError / TypeError): without labels, in inference, with loss_weights, and with
-  multi-token prediction (megatron-core would train the depths on a loss attached unseen to the
-  output).
+  Refused (ValueError / TypeError): without labels, in inference, with loss_weights or
+  entropy_weights, and with multi-token prediction (megatron-core would train the depths on a loss
+  attached unseen to the output).
 
 Multi-token prediction (``config.mtp_num_layers`` = n >= 1, the DeepSeek-V3 recipe; the MTP
 layers on the last pipeline stage, as megatron-core places them): ``_postprocess`` runs the MTP
@@ -59,11 +64,11 @@ number over its kept tokens, which the one-pass loss only scales; each depth has
 ``UpstreamState`` (``output_layer.mtp_cce_states[k]``) and loss scale (layer.py). The routing
 relies on megatron-core's order of calls (the depths, then the main head; 0.16 and 0.19 alike);
 the layer raises RuntimeError after the forward if the calls did not use every label routed.
-``loss_weights`` weight the main head's loss only (the model returns it); the depths' are
-megatron-core's, masked by ``loss_mask`` alone. megatron-core 0.19 also counts, for logging,
-how often each depth's argmax is its label (the MTP "acceptance rate"): CCE builds no logits to
-take an argmax of, so the CCE depths add nothing to those counts (the rate logs 0) rather than
-numbers taken from the losses. Without labels (megatron-core 0.19 then derives them from the
+``loss_weights`` and ``entropy_weights`` weight the main head's loss only (the model returns it);
+the depths' are megatron-core's, masked by ``loss_mask`` alone. megatron-core 0.19 also counts,
+for logging, how often each depth's argmax is its label (the MTP "acceptance rate"): CCE builds
+no logits to take an argmax of, so the CCE depths add nothing to those counts (the rate logs 0)
+rather than numbers taken from the losses. Without labels (megatron-core 0.19 then derives them from the
 input ids), and in inference, the model runs megatron-core's own MTP on logits.
 
 Without labels, and in inference mode, the model returns logits [b, s, V/tp] (or gathered) as
@@ -109,10 +114,10 @@ def use_cce(model, impl: str = "cce_kahan_full_c", **options):
 
     Afterwards ``model(input_ids, position_ids, attention_mask, labels=labels)`` returns the
     per-token fp32 loss [b, s] (labels [b, s]) and never builds the logits; without labels it
-    returns logits as before. ``loss_weights=`` [b, s] weights that loss per token, and
-    ``return_log_probs=True`` returns {"log_probs", "entropy"} [b, s] instead (see the module
-    doc). Calling it again replaces the options (with other options the output layer starts a
-    fresh ``cce_state``).
+    returns logits as before. ``loss_weights=`` [b, s] weights that loss per token,
+    ``entropy_weights=`` adds each token's entropy times them, and ``return_log_probs=True``
+    returns {"log_probs", "entropy"} [b, s] instead (see the module doc). Calling it again
+    replaces the options (with other options the output layer starts a fresh ``cce_state``).
     """
     opts = CCEOptions(impl=impl, **options)
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
@@ -127,6 +132,7 @@ def cce_output_processor(
     *,
     loss_mask: torch.Tensor | None = None,
     loss_weights: torch.Tensor | None = None,
+    entropy_weights: float | torch.Tensor | None = None,
     return_log_probs: bool = False,
     runtime_gather_output: bool | None = None,
     **options,
@@ -144,6 +150,8 @@ def cce_output_processor(
             into the labels with ``mask_labels``, as the model's forward folds its ``loss_mask``).
         loss_weights: [b, s] float per-token weights known before the forward, or None: the loss
             is then loss_weights · loss, its gradients made for it in the forward.
+        entropy_weights: a number, or [b, s] float weights, or None: each token's entropy times them
+            is added to its loss, the gradients made for that in the forward too.
         return_log_probs: return {"log_probs": [b, s], "entropy": [b, s]} (fp32, at the options'
             temperature; 0 where masked or ignored) instead of the loss; needs labels.
         runtime_gather_output: as in GPTModel.forward (logits only).
@@ -151,8 +159,8 @@ def cce_output_processor(
             or when its output layer is not a CCE layer yet.
 
     Returns:
-        loss [b, s] float32 per token (times loss_weights), or the dict of return_log_probs;
-        without labels, logits [b, s, V/tp] (or [b, s, V] gathered).
+        loss [b, s] float32 per token (times loss_weights, plus entropy_weights · entropy), or the
+        dict of return_log_probs; without labels, logits [b, s, V/tp] (or [b, s, V] gathered).
     """
     gpt = unwrap_gpt_model(model)
     if not gpt.post_process:
@@ -168,6 +176,7 @@ def cce_output_processor(
         runtime_gather_output=runtime_gather_output,
         labels=labels,
         loss_weights=loss_weights,
+        entropy_weights=entropy_weights,
         return_log_probs=return_log_probs,
     )
     if labels is None:
@@ -179,35 +188,45 @@ def cce_output_processor(
 
 
 class _CCEGPTModelMixin:
-    """Routes labels (and loss_weights) to the CCE output layer for GPTModel._postprocess (see the
-    module doc)."""
+    """Routes labels (and loss_weights, entropy_weights) to the CCE output layer for
+    GPTModel._postprocess (see the module doc)."""
 
     _cce_loss_weights = None  # set by forward for its own call only
+    _cce_entropy_weights = None  # likewise
     _cce_return_log_probs = False  # likewise
 
     def forward(
-        self, *args, loss_weights: torch.Tensor | None = None, return_log_probs: bool = False, **kwargs
+        self,
+        *args,
+        loss_weights: torch.Tensor | None = None,
+        entropy_weights: float | torch.Tensor | None = None,
+        return_log_probs: bool = False,
+        **kwargs,
     ):
-        """GPTModel.forward, plus ``loss_weights`` [b, s] for the per-token loss, or
-        ``return_log_probs`` for {"log_probs": [b, s], "entropy": [b, s]} instead (module doc)."""
+        """GPTModel.forward, plus ``loss_weights`` [b, s] and ``entropy_weights`` (a number or
+        [b, s]) for the per-token loss, or ``return_log_probs`` for {"log_probs": [b, s], "entropy":
+        [b, s]} instead (module doc)."""
         if not isinstance(return_log_probs, bool):
             raise TypeError(f"return_log_probs must be a bool, got {return_log_probs!r}")
-        if loss_weights is None and not return_log_probs:
+        if loss_weights is None and entropy_weights is None and not return_log_probs:
             return super().forward(*args, **kwargs)
-        self._cce_loss_weights, self._cce_return_log_probs = loss_weights, return_log_probs
+        self._cce_loss_weights, self._cce_entropy_weights = loss_weights, entropy_weights
+        self._cce_return_log_probs = return_log_probs
         try:
             return super().forward(*args, **kwargs)
         finally:
-            self._cce_loss_weights, self._cce_return_log_probs = None, False
+            self._cce_loss_weights = self._cce_entropy_weights = None
+            self._cce_return_log_probs = False
 
     def _postprocess(self, *args, **kwargs):
         bound = _postprocess_signature(type(self)).bind_partial(self, *args, **kwargs).arguments
         labels = bound.get("labels")
         inference = (bound.get("inference_context") is not None and not self.training) or _inference_mode_active()
         layer = getattr(self, "output_layer", None)
-        loss_weights, log_probs = self._cce_loss_weights, self._cce_return_log_probs
+        loss_weights, entropy_weights = self._cce_loss_weights, self._cce_entropy_weights
+        log_probs = self._cce_return_log_probs
         if labels is None or inference or not self.post_process or not isinstance(layer, CCEOutputLayer):
-            if (loss_weights is not None or log_probs) and self.post_process:
+            if (loss_weights is not None or entropy_weights is not None or log_probs) and self.post_process:
                 why = (
                     "it has no labels" if labels is None
                     else "inference mode" if inference
@@ -215,13 +234,15 @@ class _CCEGPTModelMixin:
                 )
                 what, instead = (
                     ("loss_weights weight the per-token loss", "no loss_weights") if loss_weights is not None
+                    else ("entropy_weights add each token's entropy to its loss", "no entropy_weights")
+                    if entropy_weights is not None
                     else ("return_log_probs returns the labels' log-probs", "no return_log_probs")
                 )
                 raise ValueError(
                     f"{what}, but this forward computes no CCE loss ({why}); pass labels, or {instead}"
                 )
             return super()._postprocess(*args, **kwargs)
-        if log_probs:  # (with loss_weights too: route_labels refuses them)
+        if log_probs:  # (with loss_weights or entropy_weights too: route_labels refuses them)
             depths = getattr(self.config, "mtp_num_layers", None)
             if depths:
                 raise ValueError(
@@ -237,7 +258,10 @@ class _CCEGPTModelMixin:
             # masked tokens give exactly 0 (the product is unchanged) and no gradient, so the
             # upstream gradient is one number over the kept tokens (see the module doc).
             labels = mask_labels(labels, loss_mask, layer.cce_options.ignore_index)
-        routed = layer.route_labels(labels, loss_weights, mtp_labels=mtp_labels, return_log_probs=log_probs)
+        routed = layer.route_labels(
+            labels, loss_weights, mtp_labels=mtp_labels, return_log_probs=log_probs,
+            entropy_weights=entropy_weights,
+        )
         with routed, _no_acceptance_counts(mtp_labels):
             return super()._postprocess(*args, **kwargs)
 

@@ -3,6 +3,7 @@
 - the loss [b, s] and ∇hidden, ∇weight, ∇bias against the float64 oracle (tests/oracle.py) for
   every loss option, with hidden states [s, b, h] and labels [b, s], and with per-token
   ``loss_weights`` [b, s] (tests/megatron/test_loss_weights.py: at TP=2, against Megatron);
+  ``entropy_weights`` (a number or [b, s]) against a float64 w · CE + h · entropy, and their misuse;
 - the layer's own ``cce_state``: passed to every call, learned by this layer alone, shown in its
   repr, kept by a conversion with the same options, forgotten by ``reset_cce_state``;
 - Megatron's gradient-accumulation fusion: ∇W added into ``main_grad`` (fp32 or bf16),
@@ -173,6 +174,75 @@ def test_loss_weights_misuse():
         loss, _ = layer(hidden)
     assert torch.equal(loss, layer(hidden, labels=labels, loss_weights=w)[0])
     assert layer._cce_pending_weights is None
+
+
+def _entropy_reference(layer, hidden, labels, w, h, temperature):
+    """float64 w · CE + h · entropy per token [b, s] (0 where ignored), and the gradients of its sum
+    for hidden and the weight."""
+    x = hidden.detach().double().requires_grad_()
+    c = layer.weight.detach().double().requires_grad_()
+    logp = torch.log_softmax((x @ c.t()) / temperature, dim=-1).transpose(0, 1)  # [b, s, V]
+    keep = labels != -100
+    ce = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    loss = torch.where(keep, w.double() * ce + torch.as_tensor(h).double() * entropy, 0.0)
+    loss.sum().backward()
+    return loss.detach(), x.grad, c.grad
+
+
+@pytest.mark.parametrize("impl", ["torch", "cce_kahan_full_c"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["number", "tensor"])
+def test_entropy_weights_vs_float64(impl, per_token):
+    """entropy_weights, a number or [b, s]: the loss is w · CE + h · entropy per token at the
+    temperature (0 where ignored); on the one-pass path its gradients are made in the forward and
+    only scaled (no recompute)."""
+    layer = _layer(options=CCEOptions(impl=impl, temperature=0.7))
+    hidden, labels = _inputs(ignore=True)
+    hidden.requires_grad_()
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(B, S, generator=g)
+    h = -0.3 * torch.rand(B, S, generator=g) if per_token else -0.3
+    loss, _ = layer(hidden, labels=labels, loss_weights=w, entropy_weights=h)
+    loss.sum().backward()
+    ref, ref_dh, ref_dw = _entropy_reference(layer, hidden, labels, w, h, 0.7)
+    assert loss.shape == (B, S) and loss.dtype == torch.float32
+    tol = TOL[impl]
+    assert rel_err(loss, ref) <= tol
+    assert rel_err(hidden.grad, ref_dh) <= tol
+    assert rel_err(layer.weight.grad, ref_dw) <= tol
+    if impl != "torch":
+        assert layer.cce_state.paths == {"one_pass": 1, "scaled": 1}
+
+
+def test_entropy_weights_misuse():
+    layer = _layer(options=CCEOptions(impl="torch"))
+    hidden, labels = _inputs()
+    h = torch.rand(B, S)
+    with pytest.raises(ValueError, match="entropy_weights add each token's entropy.*without labels"):
+        layer(hidden, entropy_weights=h)
+    with layer.route_labels(labels, entropy_weights=h):
+        with pytest.raises(ValueError, match="entropy_weights was given twice"):
+            layer(hidden, entropy_weights=h)
+    with pytest.raises(ValueError, match="return_log_probs and entropy_weights together"):
+        layer(hidden, labels=labels, entropy_weights=h, return_log_probs=True)
+    with pytest.raises(ValueError, match="return_log_probs and entropy_weights together"):
+        with layer.route_labels(labels, entropy_weights=-0.01, return_log_probs=True):
+            pass
+    with layer.route_labels(labels, entropy_weights=h):
+        loss, _ = layer(hidden)
+    assert torch.equal(loss, layer(hidden, labels=labels, entropy_weights=h)[0])
+    assert layer._cce_pending_entropy_weights is None
+    bad = [
+        (h.t(), ValueError, r"entropy_weights must be shaped like the labels.*look like \[s, b\]"),
+        (torch.tensor(-0.01), ValueError, r"got \(\) \(one number: pass it as a Python float\)"),
+        (h > 0.5, TypeError, "entropy_weights must be a floating-point tensor"),
+        (h.to("meta"), ValueError, "entropy_weights are on meta"),
+        (float("nan"), ValueError, "entropy_weights must be finite, got nan"),
+        (True, TypeError, "entropy_weights must be a finite number, a torch.Tensor or None, got bool"),
+    ]
+    for value, kind, pattern in bad:
+        with pytest.raises(kind, match=pattern):
+            layer(hidden, labels=labels, entropy_weights=value)
 
 
 def _reference_grad(layer, hidden, labels, weights=None):
