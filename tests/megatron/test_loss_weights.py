@@ -1,16 +1,19 @@
-"""Per-token weights known in the forward (``loss_weights``), at TP=2 on CPU (gloo).
+"""Per-token weights known in the forward (``loss_weights``, ``entropy_weights``), at TP=2 on CPU (gloo).
 
 - The layer: ``CCEOutputLayer(hidden, labels=labels, loss_weights=w)`` against megatron-core's own
   per-token loss times w (``ColumnParallelLinear`` then ``vocab_parallel_cross_entropy``, the same
   layer object before it is converted), with and without sequence parallelism, for signed random
   weights and a 0/1 mask as weights: the loss and ∇hidden, ∇weight in fp32 within 1e-6; a weights
-  tensor that requires grad gets the per-token loss. The summed weighted loss takes the one-pass
-  path with its gradients only scaled in the backward (the layer's ``cce_state.paths``).
+  tensor that requires grad gets the per-token loss; with ``entropy_weights`` (a number) too,
+  against w · Megatron's loss + h · the entropy of its gathered logits. The summed weighted loss
+  takes the one-pass path with its gradients only scaled in the backward (the layer's
+  ``cce_state.paths``).
 - The model: ``model(..., labels=labels, loss_weights=w)`` on a ``use_cce`` GPTModel against
   Megatron's model's per-token loss times w (every gradient), with ``loss_mask`` too, and
-  ``cce_output_processor(..., loss_weights=w)``; weights without labels, or given to a model that
-  is not switched, are rejected.
-- Bad weights on ONE rank only (shape, transposed, dtype, device, not a tensor) raise a
+  ``cce_output_processor(..., loss_weights=w)`` (and ``entropy_weights``); weights or entropy
+  weights without labels, or given to a model that is not switched, are rejected.
+- Bad weights on ONE rank only (shape, transposed, dtype, device, not a tensor; entropy weights
+  transposed or not finite) raise a
   ValueError / TypeError on every rank, with and without sequence parallelism; the group is usable
   afterwards (collectives time out after 20 s, so a rank left behind fails rather than hangs).
 
@@ -33,7 +36,8 @@ pytestmark = pytest.mark.distributed
 S, B, H, V = 8, 2, 16, 32  # S != B: a transposed [s, b] tensor is told apart from [b, s]
 LAYER_TOL = 1e-6  # fp32 against Megatron's fp32 loss (blockwise sums in another order)
 MODEL_TOL = 1e-5  # every gradient of a 2-layer GPT (as tests/megatron/test_loss_mask.py)
-WEIGHTS = ("signed", "mask")
+WEIGHTS = ("signed", "mask", "entropy")  # entropy: signed weights and entropy_weights=ENTROPY
+ENTROPY = -0.3
 
 # name -> (sequence_parallel, {rank: how that rank's weights are wrong})
 BAD = {
@@ -42,6 +46,8 @@ BAD = {
     "dtype": (False, {0: "dtype"}),
     "device-sp": (True, {1: "device"}),
     "not-a-tensor": (False, {1: "list"}),
+    "entropy-transposed-sp": (True, {0: "entropy-transposed"}),
+    "entropy-nan": (False, {1: "entropy-nan"}),
 }
 BAD_MESSAGES = {  # (exception type, message pattern) on the rank with the bad weights
     "shape": ("ValueError", r"loss_weights must be shaped like the labels \[b, s\] = \(2, 8\); got \(2, 7\)"),
@@ -49,12 +55,14 @@ BAD_MESSAGES = {  # (exception type, message pattern) on the rank with the bad w
     "dtype": ("TypeError", r"loss_weights must be a floating-point tensor, got dtype torch.int64"),
     "device": ("ValueError", r"loss_weights are on meta, but the hidden states are on cpu"),
     "list": ("TypeError", r"loss_weights must be a torch.Tensor or None, got list"),
+    "entropy-transposed": ("ValueError", r"entropy_weights must be shaped like the labels .* look like \[s, b\]"),
+    "entropy-nan": ("ValueError", r"entropy_weights must be finite, got nan"),
 }
 PEER_MESSAGE = r"tensor-parallel rank\(s\) \[{}\] rejected their inputs"
 
 
 def _weights(kind: str, generator) -> torch.Tensor:
-    if kind == "signed":
+    if kind in ("signed", "entropy"):
         return torch.randn(B, S, generator=generator)
     mask = (torch.rand(B, S, generator=generator) > 0.4).float()
     mask[0, 0] = 0.0
@@ -90,11 +98,14 @@ def _layer_case(rank, world, sp: bool, kind: str, weights_grad: bool) -> dict:
     """Megatron's path, then the same layer converted to CCE: errors and the paths taken."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from cce_parallel.megatron import CCEOptions, CCEOutputLayer
     from tests.megatron.gpt_setup import rel_err
 
-    layer = _column_parallel(sp, parallel_state.get_tensor_model_parallel_group())
+    group = parallel_state.get_tensor_model_parallel_group()
+    layer = _column_parallel(sp, group)
+    h = ENTROPY if kind == "entropy" else None
     results = []
     for cce in (False, True):
         hidden, labels, g = _inputs(7, rank, world, sp)
@@ -102,10 +113,14 @@ def _layer_case(rank, world, sp: bool, kind: str, weights_grad: bool) -> dict:
         layer.weight.grad = None
         if cce:
             layer = CCEOutputLayer.convert(layer, CCEOptions(impl="cce_kahan_full_c"))
-            loss, _ = layer(hidden, labels=labels, loss_weights=w)
+            loss, _ = layer(hidden, labels=labels, loss_weights=w, entropy_weights=h)
         else:
             logits, _ = layer(hidden)  # [s, b, V/tp]
-            loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).t() * w  # [b, s]
+            # (a copy: megatron-core's cross-entropy overwrites the logits it gets with their exp)
+            loss = vocab_parallel_cross_entropy(logits.float().clone(), labels.t().contiguous()).t() * w  # [b, s]
+            if h is not None:  # the entropy of the gathered logits (the gather's backward splits)
+                logp = torch.log_softmax(gather_from_tensor_model_parallel_region(logits, group=group).float(), -1)
+                loss = loss + h * -(logp.exp() * logp).sum(-1).t()
         loss.sum().backward()
         results.append((loss.detach(), hidden.grad, layer.weight.grad, w.grad))
     (ref, ref_dh, ref_dw, ref_dwt), (out, dh, dw, dwt) = results
@@ -172,10 +187,22 @@ def _model_cases(report):
         processed = cce_output_processor(cce.model, hidden["h"], labels, loss_weights=w)
     report.result("model-processor", torch.equal(processed, from_model))
 
+    report.started("model-processor-entropy")
+    with torch.no_grad():
+        from_model = cce.model(*args, labels=labels, loss_weights=w, entropy_weights=ENTROPY)
+        processed = cce_output_processor(cce.model, hidden["h"], labels, loss_weights=w, entropy_weights=ENTROPY)
+        plain = cce.model(*args, labels=labels, loss_weights=w)
+    kept = labels != -100
+    report.result("model-processor-entropy", torch.equal(processed, from_model) and bool(
+        ((from_model - plain)[kept] < 0).all() and ((from_model - plain)[~kept] == 0).all()
+    ))
+
     for name, call in (
         ("model-no-labels", lambda: cce.model(*args, loss_weights=w)),
         ("model-transposed", lambda: cce.model(*args, labels=labels, loss_weights=w.t())),
         ("model-not-switched", lambda: ref.model(*args, labels=labels, loss_weights=w)),
+        ("model-entropy-no-labels", lambda: cce.model(*args, entropy_weights=ENTROPY)),
+        ("model-entropy-not-switched", lambda: ref.model(*args, labels=labels, entropy_weights=ENTROPY)),
     ):
         report.started(name)
         try:
@@ -187,6 +214,10 @@ def _model_cases(report):
 
 
 def _bad(how: str, w: torch.Tensor):
+    if how == "entropy-transposed":
+        return w.t()
+    if how == "entropy-nan":
+        return float("nan")
     if how == "shape":
         return w[:, :-1]
     if how == "transposed":
@@ -211,11 +242,13 @@ def _error_cases(rank, world, report):
     for name, (sp, bad) in [*BAD.items(), ("fine-after", (True, {}))]:
         report.started(name)
         hidden, labels, g = _inputs(5, rank, world, sp)
-        w = _weights("signed", g)
-        if rank in bad:
+        w, h = _weights("signed", g), None
+        if rank in bad and bad[rank].startswith("entropy-"):
+            h = _bad(bad[rank], w)
+        elif rank in bad:
             w = _bad(bad[rank], w)
         try:
-            loss, _ = layers[sp](hidden, labels=labels, loss_weights=w)
+            loss, _ = layers[sp](hidden, labels=labels, loss_weights=w, entropy_weights=h)
             loss.sum().backward()
             outcome = ("no error", tuple(loss.shape))
         except Exception as exc:  # noqa: BLE001 - reported to the parent
@@ -299,6 +332,7 @@ def test_model_loss_weights_match_megatron(name):
 
 def test_processor_takes_loss_weights():
     assert all(_per_rank("model-processor").values())
+    assert all(_per_rank("model-processor-entropy").values())
 
 
 @pytest.mark.parametrize(
@@ -307,6 +341,8 @@ def test_processor_takes_loss_weights():
         ("model-no-labels", "ValueError", r"loss_weights weight the per-token loss.*it has no labels"),
         ("model-transposed", "ValueError", r"got \(16, 2\) \(they look like \[s, b\]"),
         ("model-not-switched", "TypeError", r"unexpected keyword argument 'loss_weights'"),
+        ("model-entropy-no-labels", "ValueError", r"entropy_weights add each token's entropy.*it has no labels"),
+        ("model-entropy-not-switched", "TypeError", r"unexpected keyword argument 'entropy_weights'"),
     ],
 )
 def test_model_rejects_misused_loss_weights(name, kind, pattern):

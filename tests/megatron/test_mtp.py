@@ -16,7 +16,8 @@ loss per token, each depth's logged MTP loss (``MTPLossLoggingHelper.tracker``) 
 parameter's gradient (main_grad under DDP), relative error at most TOL. Also checked: every
 call took the one-pass path and no backward recomputed (each depth's upstream gradient is one
 number over its kept tokens), each depth learned in its own state and the main head's state saw
-only the main head's calls, loss_weights weight the main head alone, and the layer raises if
+only the main head's calls, loss_weights and entropy_weights weight the main head alone, and the
+layer raises if
 the calls do not use every label routed to it.
 
 One gloo group of 2 processes: TP=2 with and without sequence parallelism, a tied embedding with
@@ -26,6 +27,7 @@ one-pass Triton path, under the interpreter). ``pytest -s`` prints the measured 
 """
 
 import dataclasses
+import math
 import time
 import traceback
 
@@ -187,8 +189,8 @@ def _run_case(setup, depths, device, report):
 
 
 def _check_weights_and_routing(setup, built, batch, out):
-    """loss_weights weight the main head's loss (the model's output) and not the MTP depths';
-    route_labels raises when the calls leave labels unused."""
+    """loss_weights and entropy_weights weight the main head's loss (the model's output) and not the
+    MTP depths'; route_labels raises when the calls leave labels unused."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     gpt, layer = built.gpt, built.gpt.output_layer
@@ -201,10 +203,20 @@ def _check_weights_and_routing(setup, built, batch, out):
         MTPLossLoggingHelper.tracker.clear()
         weighted = built.model(batch["tokens"], batch["position_ids"], None, loss_weights=w, **kwargs)
         weighted_mtp = MTPLossLoggingHelper.tracker.get("values", MTPLossLoggingHelper.tracker.get("loss_values"))
+        weighted_mtp = weighted_mtp.clone()
+        MTPLossLoggingHelper.tracker.clear()
+        with_entropy = built.model(batch["tokens"], batch["position_ids"], None, entropy_weights=1.0, **kwargs)
+        entropy_mtp = MTPLossLoggingHelper.tracker.get("values", MTPLossLoggingHelper.tracker.get("loss_values"))
     from tests.megatron.gpt_setup import rel_err
 
     out["weighted_main"] = rel_err(weighted, w * plain)
-    out["weighted_mtp_unchanged"] = torch.equal(weighted_mtp, plain_mtp)
+    out["weighted_mtp_unchanged"] = torch.equal(weighted_mtp, plain_mtp) and torch.equal(entropy_mtp, plain_mtp)
+    # entropy_weights=1: the main head's loss plus each kept token's entropy, in (0, log V].
+    entropy, kept = with_entropy - plain, batch["loss_mask"] > 0
+    out["entropy_main"] = bool(
+        (entropy[kept] > 0).all() and (entropy[kept] <= math.log(setup.vocab) + 1e-5).all()
+        and (entropy[~kept] == 0).all()
+    )
     # Depth labels routed, but only one call: the block must raise (the labels went unused).
     s_local = setup.seq // (setup.tp if setup.sp else 1)
     hidden = torch.randn(s_local, setup.mbs, setup.hidden)
@@ -264,5 +276,5 @@ def test_mtp_matches_megatron(outcome, name):
             assert paths.get("one_pass") == micro and not SLOW_PATHS & set(paths), f"rank {rank} {k}: {paths}"
         assert r["repr_shows_depths"] and r["reset_forgets"], r
         if "weighted_main" in r:
-            assert r["weighted_main"] <= 1e-6 and r["weighted_mtp_unchanged"], r
+            assert r["weighted_main"] <= 1e-6 and r["weighted_mtp_unchanged"] and r["entropy_main"], r
             assert r["unused_labels_raise"] is True and r["routes_cleared"], r
