@@ -4,7 +4,8 @@ docs/megatron.md ("A GRPO step, worked") has three blocks marked as run here: (1
 temperature 0.7, the old log-probs from a no-grad scoring forward with ``return_log_probs``, and
 group-normalized advantages; (2) the clipped-ratio policy loss plus an entropy bonus over the
 response tokens, from the log-probs and entropy the model returns, and its backward; (3) the
-on-policy update folded into the forward, advantages as ``loss_weights``. The worker executes them
+on-policy update folded into the forward, advantages as ``loss_weights`` and the entropy bonus as
+``entropy_weights``. The worker executes them
 in that order on a tiny GPTModel (2 prompts x 3 samples of 16 tokens, a response mask of varying
 lengths, one reward per sequence), with and without sequence parallelism, and wrapped in
 Megatron's DDP with the CCE layer adding its weight gradient into main_grad (gradient-accumulation
@@ -16,10 +17,12 @@ forward without labels gives the output layer's logits [b, s, V/tp], gathered ov
 shards (differentiable), then float, / T, log_softmax, the labels' entries and the entropy; the
 doc's ``grpo_loss`` on them, and its backward. Compared within fp32 error (1e-5 relative): the old
 log-probs, the step's loss, log-probs and entropy, and every parameter's gradient; the folded
-update's gradients against the objective's at ratio 1 without the entropy bonus. Also the paths
-the layer took (the update: the lean path, no gradients made in the forward; the folded one: made
-in the forward, only scaled). The test checks its own power: the reference without the temperature
-is far from the model's log-probs.
+update's per-token loss against weights · -log-prob + entropy_weights · entropy from the reference,
+and its gradients against the objective's at ratio 1 with the entropy bonus. Also the paths the
+layer took (the update: the lean path, no gradients made in the forward; the folded one: made in
+the forward, only scaled). The test checks its own power: the reference without the temperature
+is far from the model's log-probs, and the objective's gradient without the entropy bonus far from
+the folded one.
 
 Then what ``return_log_probs`` refuses, each on both ranks, and ``cce_output_processor``'s dict.
 
@@ -190,8 +193,16 @@ def _case(name: str, sp: bool, ddp: bool, report):
     exec(folded, ns)
     grads, paths = _grads(gpt, ddp), dict(layer.cce_state.paths - before)
     fused = getattr(layer.weight, "grad_added_to_main_grad", False)
-    *_, ref_grads = reference(None, entropy_coef=0.0)  # ratio 1, no entropy bonus
-    report.result(f"{name}/folded", {"paths": paths, "fused": fused, **_grad_errors(grads, ref_grads)})
+    ref_lp, ref_ent, _, ref_grads = reference(None)  # ratio 1, with grpo_loss's entropy bonus
+    *_, no_bonus = reference(None, entropy_coef=0.0)
+    expected = -ns["weights"] * ref_lp + ns["entropy_weights"] * ref_ent
+    report.result(f"{name}/folded", {
+        "paths": paths,
+        "fused": fused,
+        "loss": rel_err(ns["losses"].detach(), expected),
+        "no_bonus": _grad_errors(grads, no_bonus)["grad"],  # the test's power: far above TOL
+        **_grad_errors(grads, ref_grads),
+    })
     parallel_state.destroy_model_parallel()
 
 
@@ -253,6 +264,7 @@ def _misuse(report):
     calls = {
         "no-labels": lambda: cce.model(*args, return_log_probs=True),
         "loss-weights": lambda: cce.model(*args, labels=labels, loss_weights=mask, return_log_probs=True),
+        "entropy-weights": lambda: cce.model(*args, labels=labels, entropy_weights=-0.01, return_log_probs=True),
         "not-a-bool": lambda: cce.model(*args, labels=labels, return_log_probs=1),
         "z-loss": z_loss,
         "not-switched": lambda: plain.model(*args, labels=labels, return_log_probs=True),
@@ -330,10 +342,11 @@ def test_grpo_step_matches_megatron_logits(case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_on_policy_step_folded_into_loss_weights(case):
+def test_on_policy_step_folded_into_loss_and_entropy_weights(case):
     for rank, r in _per_rank(f"{case}/folded", case).items():
         print(f"  rank {rank}: {r}")
-        assert r["same_params"] and r["grad"] <= TOL, r
+        assert r["same_params"] and r["grad"] <= TOL and r["loss"] <= TOL, r
+        assert r["no_bonus"] > 100 * TOL, r  # the entropy bonus is in the folded gradient
         assert r["paths"] == {"one_pass": 1, "scaled": 1}, r  # made in the forward, only scaled
         assert r["fused"] == CASES[case][1], r
 
@@ -348,6 +361,7 @@ def test_processor_returns_the_models_log_probs():
     [
         ("no-labels", "ValueError", r"return_log_probs returns the labels' log-probs, .* \(it has no labels\)"),
         ("loss-weights", "ValueError", r"return_log_probs and loss_weights together"),
+        ("entropy-weights", "ValueError", r"return_log_probs and entropy_weights together"),
         ("not-a-bool", "TypeError", r"return_log_probs must be a bool, got 1"),
         ("z-loss", "ValueError", r"-log p\(label\) alone.*label_smoothing=0.0, z_loss=0.0001"),
         ("not-switched", "TypeError", r"unexpected keyword argument 'return_log_probs'"),
