@@ -3,6 +3,7 @@
     use_cce(gpt_model, impl="cce_kahan_full_c", **options)   switch an existing GPTModel, in place
     cce_output_processor(model, hidden [s(/tp), b, h], labels [b, s])  -> loss [b, s] (or logits)
     model(..., labels=labels, loss_weights=w [b, s])          a switched model: w · loss per token
+    model(..., labels=labels, entropy_weights=h)              + h · entropy per token (h: number or [b, s])
     model(..., labels=labels, return_log_probs=True)          {"log_probs", "entropy"} [b, s] (RL)
     CCEOutputLayer, CCEOptions                                the layer itself and its options
     mask_labels(labels, loss_mask)                            fold loss_mask into ignore_index
