@@ -164,6 +164,8 @@ def readme_measured() -> str:
     val_pct = [100 * (v["cce_kahan_full_c"] / v["megatron"] - 1) for v in val]
     mean_pct = 100 * (sum(v["cce_kahan_full_c"] for v in val) / sum(v["megatron"] for v in val) - 1)
     h100, h200 = "one H100, commit 5fb45df", "one H200, commit f353185"
+    post = post_facts()
+    POST_LINK = f"[{post['stem']}.md](benchmarks/results/{post['stem']}.md)"  # noqa: N806
 
     def links(stem):
         return (f"[trained](benchmarks/results/{stem}_trained.md), "
@@ -210,9 +212,15 @@ def readme_measured() -> str:
           f"{x(llama['cce_kahan_full_c'][0] / llama['megatron_fused'][0])} the tokens/s, at micro-batch "
           + " / ".join(str(llama[k][1]) for k in ("cce_kahan_full_c", "megatron", "megatron_fused"))),
          "4× H200", GEMMA_LINK),
+        ("RL objective -(logp · adv).mean() - 0.01 · entropy.mean(), folded into the call, against our plain mean",
+         (f"{post['rl_mean']}; {post['rl_verl']} verl 0.9.1's time; {post['rl_mem']} torch.compile's peak "
+          "memory"), f"one H200, commit {post['commit']}", POST_LINK),
+        ("scoring (per-token log-probs and entropy, no gradients) against our training forward",
+         f"{post['score']}; {post['score_verl']} verl's time", f"one H200, commit {post['commit']}", POST_LINK),
     ]
     lines = [header(f"{H100}_trained", f"{H100}_random", f"{REPEAT}_trained",
-                    f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2, TRAIN_GEMMA, TRAIN_GEMMA_SEED2),
+                    f"{H200}_trained", f"{H200}_random", TP, TRAIN_TP2DP2, TRAIN_GEMMA, TRAIN_GEMMA_SEED2,
+                    post["stem"]),
              "| what | result | where | from |", "|---|---|---|---|"]
     return "\n".join(lines + [f"| {' | '.join(r)} |" for r in rows])
 
@@ -573,10 +581,9 @@ def api_calling_patterns(stem: str | None = None, regime: str = "trained") -> st
         "ran (`loss.state.paths`, forwards and backwards by name: `UpstreamState` describes them).")])
 
 
-# The post-training run (`python -m benchmarks loss --objectives rl,logprobs,score`, benchmarks/README.md), e.g.
-# "h200_<yyyymmdd>_post", that post_training renders. Not in BLOCKS yet: once its files are committed, set this,
-# add post_training to BLOCKS and a <!-- render:post-training --> block to README.md or docs/performance.md.
-POST_TRAINING: str | None = None
+# The post-training run (`python -m benchmarks loss --objectives rl,logprobs,score`, benchmarks/README.md) that
+# post_training and the README's rows render.
+POST_TRAINING: str | None = "h200_20261128_post"
 POST_OBJECTIVES = {"mean": "plain mean, for scale", "rl": "RL objective", "logprobs": "log-probs only",
                    "score": "scoring, no grad"}
 
@@ -648,6 +655,20 @@ def post_training(stem: str | None = None, regime: str = "trained") -> str:
         f"{liger.get('path') or '?'}; torch.compile of the same math. Peak memory: above the inputs, of one call.")])
 
 
+def post_facts(stem: str | None = None) -> dict:
+    """The README's post-training rows from the post-training result, per head in SHAPES order: the RL
+    objective over our plain mean and over verl, our peak over torch.compile's, scoring over our forward."""
+    stem = stem or POST_TRAINING
+    cs = {c["shape"]: c for c in load(stem)["cases"] if c["kind"] == "main" and c.get("post")}
+    rows = [cs[s]["post"]["rows"] for s in SHAPES if s in cs]
+    return {"stem": stem, "commit": load(stem)["meta"]["git_commit"][:7],
+            "rl_mean": xs(r["rl:ours"]["fwd_bwd"]["vs_mean_paired"] for r in rows),
+            "rl_verl": xs(r["rl:ours"]["fwd_bwd"]["vs_verl_paired"] for r in rows),
+            "rl_mem": xs((r["rl:ours"]["mem_vs_compile"] for r in rows), 3),
+            "score": xs(r["score:ours"]["fwd"]["vs_fwd_paired"] for r in rows),
+            "score_verl": xs(r["score:ours"]["fwd"]["vs_verl_paired"] for r in rows)}
+
+
 def recipe_keys() -> str:
     """docs/recipes.md: every recipe key from the schema's dataclasses (cce_parallel.config.reference)."""
     from cce_parallel.config.reference import recipe_reference
@@ -660,7 +681,7 @@ BLOCKS = {f.__name__.replace("_", "-"): f for f in (  # NAME of <!-- render:NAME
     readme_intro, readme_measured, performance_short, performance_vs_compile, performance_runs, performance_tp,
     performance_loss, performance_upstream, performance_mask, performance_floor, performance_train_tp2dp2,
     performance_train_1gpu, megatron_memory, accuracy_short, accuracy_bench, training_gemma2, internals_budgets,
-    training_determinism, api_calling_patterns, recipe_keys)}
+    training_determinism, api_calling_patterns, post_training, recipe_keys)}
 _BLOCK = re.compile(r"(<!-- render:([\w-]+) -->\n)(.*?)(<!-- /render:\2 -->)", re.DOTALL)
 
 
