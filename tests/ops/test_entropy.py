@@ -18,22 +18,29 @@ V, D, N = 517, 48, 37
 TOL = 1e-5
 
 
-def reference(x, options, g_loss, g_entropy):
-    """(loss, entropy, [dE, dC, dbias]) in float64 for the objective <g_loss, loss> + <g_entropy, H>."""
+def _float64(x, options):
+    """(leaves e, c, bias; targets, keep, z; ce, entropy per token) in float64 on the CPU."""
     e, c, b = (x[k].detach().cpu().double().requires_grad_() for k in ("e", "c", "bias"))
     t = x["targets"].cpu().reshape(-1)
     keep = t != options.get("ignore_index", -100)
     z = (e.reshape(-1, D) @ c.T + b) / options.get("temperature", 1.0)
     if options.get("softcap"):
         z = options["softcap"] * torch.tanh(z / options["softcap"])
-    loss = torch.nn.functional.cross_entropy(z, torch.where(keep, t, 0), reduction="none",
-                                             label_smoothing=options.get("label_smoothing", 0.0))
-    loss = torch.where(keep, loss, 0.0)
+    ce = torch.nn.functional.cross_entropy(z, torch.where(keep, t, 0), reduction="none",
+                                           label_smoothing=options.get("label_smoothing", 0.0))
+    ce = ce + options.get("z_loss", 0.0) * torch.logsumexp(z, -1) ** 2
     entropy = torch.where(keep, torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1), 0.0)
+    return (e, c, b), keep, ce, entropy
+
+
+def reference(x, options, g_loss, g_entropy):
+    """(loss, entropy, [dE, dC, dbias]) in float64 for the objective <g_loss, loss> + <g_entropy, H>."""
+    leaves, keep, loss, entropy = _float64(x, options)
+    loss = torch.where(keep, loss, 0.0)
     if options.get("reduction", "mean") == "mean":
         loss = loss.sum() / keep.sum()
     torch.autograd.backward([loss, entropy], [g_loss.double(), g_entropy.reshape(-1).double()])
-    return loss.detach(), entropy.detach(), [e.grad, c.grad, b.grad]
+    return loss.detach(), entropy.detach(), [t.grad for t in leaves]
 
 
 def rel(a, b):
@@ -169,16 +176,7 @@ def test_entropy_under_tensor_parallelism_on_uneven_shards():
 def weighted_reference(x, options, weights, ent_weights, g_loss):
     """(loss, entropy, [dE, dC, dbias]) in float64 for the loss weights * CE + ent_weights * H per
     kept token, reduced as options say (mean: over the kept count, or the weights' sum)."""
-    e, c, b = (x[k].detach().cpu().double().requires_grad_() for k in ("e", "c", "bias"))
-    t = x["targets"].cpu().reshape(-1)
-    keep = t != options.get("ignore_index", -100)
-    z = (e.reshape(-1, D) @ c.T + b) / options.get("temperature", 1.0)
-    if options.get("softcap"):
-        z = options["softcap"] * torch.tanh(z / options["softcap"])
-    ce = torch.nn.functional.cross_entropy(z, torch.where(keep, t, 0), reduction="none",
-                                           label_smoothing=options.get("label_smoothing", 0.0))
-    ce = ce + options.get("z_loss", 0.0) * torch.logsumexp(z, -1) ** 2
-    entropy = torch.where(keep, torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1), 0.0)
+    leaves, keep, ce, entropy = _float64(x, options)
     w = torch.ones_like(ce) if weights is None else weights.reshape(-1).double()
     h = ent_weights.reshape(-1).double() if isinstance(ent_weights, torch.Tensor) else torch.full_like(ce, ent_weights)
     loss = torch.where(keep, w * ce + h * entropy, 0.0)
@@ -188,7 +186,7 @@ def weighted_reference(x, options, weights, ent_weights, g_loss):
     elif reduction == "sum":
         loss = loss.sum()
     loss.backward(g_loss.double())
-    return loss.detach(), entropy.detach(), [e.grad, c.grad, b.grad]
+    return loss.detach(), entropy.detach(), [t.grad for t in leaves]
 
 
 # name: (options, loss weights, entropy weights: "tensor" or a number)
