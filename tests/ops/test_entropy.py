@@ -314,13 +314,15 @@ def _objective(x, options, weights, ent_w, logits_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(GPU_OPTIONS))
-def test_gpu_bf16_rl_objective_no_worse_than_plain(name):
+def test_gpu_rl_objective_no_worse_than_plain(name, dtype):
     """The RL objective -(logp adv).mean() - 0.01 entropy.mean() folded into one call
     (weights=adv / N, entropy_weights=-0.01 / N, reduction="sum"), and forward-only scoring (the
-    log-probs and entropies under no_grad), bf16, N=4096, V=50257, D=2048, 10 % ignored in the
-    tempered, soft-capped case: each output and gradient against float64 no worse than plain bf16
-    PyTorch's (5 % slack)."""
+    log-probs and entropies under no_grad), bf16 and fp16, N=4096, V=50257, D=2048, 10 % ignored in
+    the tempered, soft-capped case: each output and gradient against float64 no worse than plain
+    PyTorch's in the same dtype (5 % slack). fp16 inputs take the one-pass path's two-pass variant (its fp32 logits, the
+    gradient's fp16 scale from the weights); plain PyTorch then computes its logits in fp16."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from tests.helpers import peaked_inputs
@@ -328,7 +330,7 @@ def test_gpu_bf16_rl_objective_no_worse_than_plain(name):
 
     options = GPU_OPTIONS[name]
     n, vocab, dim = GPU_SHAPE
-    x = peaked_inputs((n,), vocab, dim, dtype=torch.bfloat16, device="cuda", n_head=256, n_mid=4096, boost=7.0,
+    x = peaked_inputs((n,), vocab, dim, dtype=dtype, device="cuda", n_head=256, n_mid=4096, boost=7.0,
                       n_rare=n // 64)
     g = torch.Generator(device="cuda").manual_seed(2)
     if "softcap" in options:
@@ -336,7 +338,7 @@ def test_gpu_bf16_rl_objective_no_worse_than_plain(name):
     adv = torch.randn(n, generator=g, device="cuda")
     weights, ent_w = adv / n, -0.01 / n
     want = _objective(x, options, weights, ent_w, torch.float64)
-    plain = _objective(x, options, weights, ent_w, torch.bfloat16)
+    plain = _objective(x, options, weights, ent_w, dtype)
     m = cce_parallel.LinearCrossEntropy(impl="cce_kahan_full_c", reduction="sum", return_entropy=True, **options)
     e, c = (x[k].detach().clone().requires_grad_() for k in ("e", "c"))
     loss, entropy = m(e, c, x["targets"], weights=weights, entropy_weights=ent_w)
@@ -351,7 +353,7 @@ def test_gpu_bf16_rl_objective_no_worse_than_plain(name):
     base = dict(zip(names, (plain[0], plain[1], plain[2], plain[3], plain[4], plain[1])))
     errs = {k: rel(ours[k], refs[k]) for k in names}
     plain_errs = {k: rel(base[k], refs[k]) for k in names}
-    print(f"\n[{name}] error vs fp64 (plain bf16 PyTorch): "
+    print(f"\n[{name}, {dtype}] error vs fp64 (plain PyTorch in that dtype): "
           + ", ".join(f"{k}={errs[k]:.2e} ({plain_errs[k]:.2e})" for k in names))
     assert dict(m.state.paths) == {"one_pass": 1, "scaled": 1}, m.state.paths
     bad = worse_than_plain(errs, plain_errs)
