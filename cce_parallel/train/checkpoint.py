@@ -31,6 +31,15 @@ coordinates, and which of its elements (flattened row-major) the shard holds, so
 (cce_parallel/hf/megatron_fsdp.py) can put every parameter together. Loading does not read it:
 checkpoints written before it existed resume the same (the export refuses them).
 
+A lean checkpoint (the save on a signal or at train.exit_duration; every save with
+``checkpoint.lean``) leaves out the model's weights where the optimizer's entries hold a main
+weight for every parameter of the stage (fp32: the parameters themselves; bf16: megatron's fp32
+copies; not with the distributed optimizer, whose ranks hold shards of them). Buffers stay.
+``tp{t}_pp{p}.weights.json`` then maps each weight left out to the DCP key of its main weight,
+and meta.json's ``model_weights`` is ``main_params`` (``model`` otherwise). Loading copies the
+main weights into the model (cast to its dtype, as the optimizer's step does); the export reads
+them instead of the weights.
+
 Keys carry the rank coordinates because DCP treats equal keys on several ranks as one replicated
 value: the tensor-parallel shards of a parameter share its name.
 
@@ -103,6 +112,7 @@ from cce_parallel.train.checkpoint_state import (
     _templates,
     _unwrap,
     encode_optimizer,
+    weights_key,
 )
 from cce_parallel.train.checkpoint_writer import Checkpointer
 
@@ -122,11 +132,13 @@ __all__ = [
 ]
 
 
-def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, keep: int = 0) -> Path:
-    """Write a checkpoint of the current state and wait for it (collective: every rank calls it)."""
+def save(directory, *, step: int, consumed_samples: int, engine, meta: dict, keep: int = 0,
+         lean: bool = False) -> Path:
+    """Write a checkpoint of the current state and wait for it (collective: every rank calls it);
+    lean: without the model weights that the optimizer's main weights hold."""
     saver = Checkpointer(directory, keep=keep)
     try:
-        saver.save(step=step, consumed_samples=consumed_samples, engine=engine, meta=meta)
+        saver.save(step=step, consumed_samples=consumed_samples, engine=engine, meta=meta, lean=lean)
     finally:
         saver.close()
     return Path(directory) / step_name(step)
@@ -156,8 +168,11 @@ def load(path, *, engine, layout: dict) -> dict:
     tp, pp, _dp = _coords()
     rank = dist.get_rank()
     rng_key, optim_key = f"rank{rank}/rng", _optim_key(engine.optimizer, tp, pp, rank)
+    # A lean checkpoint names the main weight of each model weight it left out (meta.json's files
+    # list the document, so a lost one fails verification).
+    lean = json_name(weights_key(tp, pp)) in meta["files"]
     docs = {}
-    for key in (rng_key, optim_key):
+    for key in (rng_key, optim_key) + ((weights_key(tp, pp),) if lean else ()):
         try:
             docs[key] = json.loads((path / json_name(key)).read_bytes())
         except (OSError, ValueError) as err:
@@ -165,6 +180,19 @@ def load(path, *, engine, layout: dict) -> dict:
     # DCP loads in place into a template of the same keys: the model's own state dict (every data-
     # parallel rank reads the copy data-parallel rank 0 wrote) and empty tensors shaped as saved.
     state = _model_state(engine, tp, pp) if fsdp != "megatron" else {}
+    from_main = {}  # {chunk: {name: the DCP key of its main weight}} of the weights left out
+    if lean:
+        chunks = docs.pop(weights_key(tp, pp)).get("chunks")
+        if not isinstance(chunks, list) or len(chunks) != len(engine.model):
+            raise CheckpointError(f"{path / json_name(weights_key(tp, pp))}: not {len(engine.model)} "
+                                  "model chunks")
+        for i, names in enumerate(chunks):
+            from_main[i] = names
+            for name, key in names.items():
+                if not key.startswith(f"{optim_key}/"):
+                    raise CheckpointError(f"{path / json_name(weights_key(tp, pp))}: {name} from {key}, "
+                                          f"not from this rank's optimizer state {optim_key}")
+                state.pop(f"tp{tp}_pp{pp}/model/{i}/{name}", None)
     if fsdp != "none":
         # Shards to load into: the optimizer's own state (DCP loads in place), then the saved
         # document's tensor entries resolve to them.
@@ -191,6 +219,9 @@ def load(path, *, engine, layout: dict) -> dict:
         prefix, module = f"tp{tp}_pp{pp}/model/{i}/", _unwrap(chunk)
         own = module.state_dict()  # with its None entries
         own.update({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        # Weights left out: their main weights, cast to the model's dtype by the copy (as the
+        # optimizer's step makes them).
+        own.update({name: state[key] for name, key in from_main.get(i, {}).items()})
         module.load_state_dict(own)
     saved_optimizer = _decode(docs[optim_key], state)
     _load_optimizer_state(engine.optimizer, saved_optimizer, loaded_in_place=fsdp == "megatron")

@@ -297,8 +297,54 @@ def _model_state(engine, tp: int, pp: int) -> dict:
     return state
 
 
-def state_to_save(engine) -> tuple[dict, dict]:
-    """(tensors for DCP, {key: JSON document}) of this rank's share of the state."""
+def weights_key(tp: int, pp: int) -> str:
+    """The key of a lean checkpoint's document (``tp{t}_pp{p}.weights.json``) that names, for each
+    model weight left out, the DCP key of the optimizer's main weight it is restored from."""
+    return f"tp{tp}_pp{pp}/weights"
+
+
+def _main_weights(engine, optim_key: str) -> list[dict] | None:
+    """For each model chunk, {state-dict name: the DCP key ``encode_optimizer`` gives its main
+    weight} of every parameter in its state dict; None where some parameter has no main weight
+    in this rank's optimizer state (then the checkpoint keeps the model's weights). A main weight
+    is the optimizer's own parameter: the model's parameter itself (fp32 runs, FSDP2's DTensors)
+    or megatron's fp32 copy of a bf16 parameter (``float16_groups`` -> ``fp32_from_float16_groups``).
+    The distributed optimizer holds a shard of each main weight only: None."""
+    if _is_distributed_optimizer(engine.optimizer) or _fsdp(engine) == "megatron":
+        return None
+    members = [m for m in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+               if getattr(m, "optimizer", None) is not None]
+    found = {}  # id(model parameter) -> DCP key of its main weight
+    for i, member in enumerate(members):
+        params = (p for group in member.optimizer.param_groups for p in group["params"])
+        position = {id(p): j for j, p in enumerate(params)}
+        pairs = dict(position)  # the optimizer's own parameters, and below megatron's bf16 ones
+        for model_group, main_group in zip(getattr(member, "float16_groups", []),
+                                           getattr(member, "fp32_from_float16_groups", []), strict=True):
+            for model_param, main_param in zip(model_group, main_group, strict=True):
+                if id(main_param) in position:
+                    pairs[id(model_param)] = position[id(main_param)]
+        for pid, j in pairs.items():
+            found.setdefault(pid, f"{optim_key}/{i}/main_params/{j}")
+    chunks = []
+    for chunk in engine.model:
+        module, names = _unwrap(chunk), {}
+        parameters = dict(module.named_parameters(remove_duplicate=False))
+        for name in module.state_dict():
+            param = parameters.get(name)
+            if param is None:
+                continue  # a buffer: saved as it is
+            if id(param) not in found:
+                return None
+            names[name] = found[id(param)]
+        chunks.append(names)
+    return chunks
+
+
+def state_to_save(engine, *, lean: bool = False) -> tuple[dict, dict]:
+    """(tensors for DCP, {key: JSON document}) of this rank's share of the state. lean: leave out
+    the model's weights where the optimizer state holds a main weight for every one of them
+    (``_main_weights``); ``weights_key``'s document then names where each is."""
     rank = dist.get_rank()
     tp, pp, dp = _coords()
     tensors, docs = {}, {}
@@ -315,7 +361,17 @@ def state_to_save(engine) -> tuple[dict, dict]:
     fsdp = _fsdp(engine)
     sharded = fsdp == "torch"
     if fsdp != "megatron":
-        tensors.update(_model_state(engine, tp, pp))
+        model = _model_state(engine, tp, pp)
+        chunks = _main_weights(engine, _optim_key(engine.optimizer, tp, pp, rank)) if lean else None
+        if chunks is not None:
+            # A lean save: the weights are restored from the main weights, which the optimizer's
+            # entries below hold (written by data-parallel rank 0, or as shards under FSDP2).
+            for i, names in enumerate(chunks):
+                for name in names:
+                    del model[f"tp{tp}_pp{pp}/model/{i}/{name}"]
+            if dp == 0:
+                docs[weights_key(tp, pp)] = {"chunks": chunks}
+        tensors.update(model)
     if dp == 0 or sharded or _is_distributed_optimizer(engine.optimizer):
         key = _optim_key(engine.optimizer, tp, pp, rank)
         doc = encode_optimizer(engine.optimizer, fsdp, key, tensors)

@@ -115,8 +115,10 @@ class _Writer(FileSystemWriter):
             self._allocating.join()
             self._allocating = None
         layout = {k: (v.shape, v.dtype) for k, v in state_dict.items()}
-        if self._host is None or self._host[0] != layout:
-            self._host = (layout, _create_cpu_state_dict(state_dict))
+        if self._host is not None and all(self._host[0].get(k) == v for k, v in layout.items()):
+            # The buffers of these keys (all of them, or a lean save's share: no new pages on a signal)
+            return _copy_state_dict(state_dict, {k: self._host[1][k] for k in layout})
+        self._host = (layout, _create_cpu_state_dict(state_dict))
         return _copy_state_dict(state_dict, self._host[1])
 
 
@@ -153,8 +155,9 @@ class Checkpointer:
         has its state, i.e. after the first step)."""
         self._writer.prepare(state_to_save(engine)[0])
 
-    def save(self, *, step: int, consumed_samples: int, engine, meta: dict) -> float:
-        """Start a checkpoint of the current state; returns the seconds training was blocked."""
+    def save(self, *, step: int, consumed_samples: int, engine, meta: dict, lean: bool = False) -> float:
+        """Start a checkpoint of the current state; returns the seconds training was blocked.
+        lean: leave out the model's weights that the optimizer's main weights hold (see checkpoint.py)."""
         start = time.perf_counter()
         self.wait()
         report = {"step": step, "path": str(self.directory / step_name(step)), "start": start}
@@ -164,12 +167,13 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         dist.barrier(group=self.group)
-        tensors, docs = state_to_save(engine)
+        tensors, docs = state_to_save(engine, lean=lean)
         for key, doc in docs.items():
             (tmp / json_name(key)).write_text(json.dumps(doc))
         # What meta.json records of this moment; the scheduler moves on while the files are written.
         record = dict(meta, format=FORMAT, step=step, consumed_samples=consumed_samples,
-                      scheduler=engine.scheduler.state_dict(), time=time.time())
+                      scheduler=engine.scheduler.state_dict(), time=time.time(),
+                      model_weights="main_params" if any(k.endswith("/weights") for k in docs) else "model")
         record = json.loads(json.dumps(record, default=str))  # the digest is of what the file holds
         self._fs.digests = {}
         staged = time.perf_counter()

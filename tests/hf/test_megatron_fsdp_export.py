@@ -152,7 +152,7 @@ def _save(directory, recipe, states: dict, monkeypatch):
     for part, part_docs in states.values():
         tensors.update(part)
         docs.update(part_docs)
-    monkeypatch.setattr(checkpoint_writer, "state_to_save", lambda engine: (tensors, docs))
+    monkeypatch.setattr(checkpoint_writer, "state_to_save", lambda engine, **_: (tensors, docs))
     meta = {"layout": {"tp": TP, "pp": 1, "dp": DP, "world": TP * DP, "accumulation": 1},
             "recipe": recipe_to_dict(recipe)}
     saver = checkpoint_writer.Checkpointer(directory)
