@@ -216,6 +216,13 @@ class CheckpointConfig(Section):
     signal_deadline_s: float | None = None
     """After the first signal, exit at once (without a checkpoint) if the run has not finished
     its save and exited within this many seconds; None: no deadline."""
+    lean: bool = False
+    """Make every save lean, as the save on a signal (or at train.exit_duration) always is: leave
+    out the model's weights where the optimizer state holds a main weight for every one of them
+    (bf16 runs: megatron's fp32 copies, some 14 % of the bytes; fp32 runs on CPU: the parameters
+    themselves, which the optimizer's entries already hold, 25 %). Resuming and the export read
+    the main weights then. With the distributed optimizer (shards of the main weights only) every
+    save keeps the weights; under Megatron-FSDP none ever does."""
 
     def __post_init__(self):
         self._non_negative("interval", "keep")

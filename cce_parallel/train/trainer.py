@@ -359,8 +359,9 @@ class Trainer:
         val_loss = loss_sum / max(tokens, 1)
         return {"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_tokens": int(tokens)}
 
-    def save(self):
-        """Start a checkpoint of this step; training goes on once the state is in host memory."""
+    def save(self, *, lean: bool = False):
+        """Start a checkpoint of this step; training goes on once the state is in host memory.
+        lean (always with checkpoint.lean): without the model weights the main weights hold."""
         meta = {"layout": self.layout, "recipe": recipe_to_dict(self.recipe), "loss_impl": self.recipe.loss.impl,
                 "vocab_size": self.vocab_size, "tokenizer_vocab_size": self.info.vocab_size,
                 "dataset": self.info.out_dir}
@@ -369,7 +370,7 @@ class Trainer:
         waited = time.perf_counter() - start
         blocked = waited + self.checkpointer.save(
             step=self.step, consumed_samples=self.step * self.recipe.train.global_batch_size, engine=self.engine,
-            meta=meta,
+            meta=meta, lean=lean or self.recipe.checkpoint.lean,
         )
         if self.recipe.checkpoint.asynchronous:
             self.metrics.record("checkpoint_start", step=self.step, blocked_s=blocked, waited_s=waited)
@@ -440,7 +441,7 @@ class Trainer:
                 self._log_saved(self.checkpointer.poll())
                 reason = self._stop_reason()
                 if reason is not None:
-                    self.save()
+                    self.save(lean=True)  # what resuming needs, sooner: a grace period is short
                     self._log_saved(self.checkpointer.wait())
                     self._stop(reason)
                     return
