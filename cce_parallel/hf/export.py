@@ -9,11 +9,14 @@ or a run directory (its ``checkpoints/latest``). One process reads it, no GPU an
 group: ``meta.json`` gives the recipe and the layout; the model's tensors are the DCP keys
 ``tp{t}_pp{p}/model/0/...`` of TP, PP, DP (one copy), the distributed optimizer (the model's own
 weights; in a bf16 run these are bf16), and FSDP (``parallel.fsdp: torch``: DCP reassembles the
-DTensor shards). Megatron-FSDP checkpoints (``parallel.fsdp: megatron``) hold no model keys: the
-export puts the fp32 main weights (fp32 in a bf16 run too) together from every rank's optimizer
-shards, which each rank's shard index places in their parameters (megatron_fsdp.py; every
-element must come from exactly one shard). Megatron-FSDP checkpoints written before the train
-job wrote shard indexes are refused, with the reason.
+DTensor shards). A lean checkpoint (a save on a signal, or ``checkpoint.lean``) leaves out the
+model's weights that the optimizer's main weights hold: ``tp{t}_pp{p}.weights.json`` names the
+main weight of each, which is read instead (fp32, in a bf16 run too). Megatron-FSDP checkpoints
+(``parallel.fsdp: megatron``) hold no model keys: the export puts the fp32 main weights (fp32 in
+a bf16 run too) together from every rank's optimizer shards, which each rank's shard index
+places in their parameters (megatron_fsdp.py; every element must come from exactly one shard).
+Megatron-FSDP checkpoints written before the train job wrote shard indexes are refused, with the
+reason.
 
 OUT_DIR gets config.json (GPT2LMHeadModel, LlamaForCausalLM or Gemma2ForCausalLM, see
 convert.py), model.safetensors, generation_config.json, and the tokenizer the data was prepared
@@ -35,6 +38,7 @@ from cce_parallel.hf import megatron_fsdp
 from cce_parallel.hf.convert import ConversionError, architecture, hf_config, hf_state
 
 _MODEL_KEY = re.compile(r"^tp(\d+)_pp(\d+)/model/(\d+)/(.+)$")
+_WEIGHTS_FILE = re.compile(r"^tp(\d+)_pp(\d+)\.weights\.json$")  # checkpoint_state.weights_key's files
 
 
 def resolve_checkpoint(path) -> Path:
@@ -69,6 +73,21 @@ def read_checkpoint(path) -> tuple[dict, object, dict]:
             raise ConversionError(f"{path}: {key} is a second model chunk (virtual pipeline stages are not supported)")
         templates[key] = torch.empty(item.size, dtype=item.properties.dtype)
         where[key] = (int(match.group(1)), int(match.group(2)), match.group(4))
+    for name in meta["files"]:  # a lean checkpoint's weights: the main weights they were left out for
+        match = _WEIGHTS_FILE.match(name)
+        if not match:
+            continue
+        chunks = json.loads((path / name).read_bytes()).get("chunks") or [{}]
+        if len(chunks) > 1:
+            raise ConversionError(f"{path}: {name} names a second model chunk (virtual pipeline stages are not "
+                                  "supported)")
+        for weight, key in chunks[0].items():
+            item = metadata.state_dict_metadata.get(key)
+            if item is None:
+                raise ConversionError(f"{path}: {name} restores {weight} from {key}, which the checkpoint "
+                                      "lacks")
+            templates[key] = torch.empty(item.size, dtype=item.properties.dtype)
+            where[key] = (int(match.group(1)), int(match.group(2)), weight)
     if not templates:
         raise ConversionError(f"{path}: the checkpoint holds no model tensors")
     read_tensors(path, templates)
