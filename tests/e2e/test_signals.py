@@ -1,7 +1,8 @@
 """Preemption and background checkpoints, end to end on CPU (tiny recipe, TP=2 over gloo):
 
-- SIGTERM to one rank at some step: all ranks save after the next step and exit 0, and a restart
-  continues bitwise as the uninterrupted run;
+- SIGTERM to one rank at some step: all ranks save after the next step (a lean checkpoint: a
+  quarter smaller here) and exit 0, and a restart continues bitwise as the uninterrupted run, to
+  a last checkpoint that exports as the uninterrupted run's;
 - SIGTERM to the process group of ``python -m cce_parallel.train``, as a scheduler sends it: the
   checkpoint, and the command exits 0 (torchrun's own agent would exit 1);
 - train.exit_duration: the run stops with a checkpoint before its wall-clock budget ends, exit 0;
@@ -11,6 +12,7 @@
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,14 +72,15 @@ def _ranks(proc) -> list[int]:
     return pids
 
 
-def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, tiny_data, runs_dir):
+def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, tiny_data, runs_dir, tmp_path):
     """SIGTERM to one rank only (a signal reaches ranks at different times): both ranks agree on
-    the step after it, save it, and exit 0, so torchrun exits 0; a restart resumes from that
-    checkpoint and computes the uninterrupted run's losses bit for bit."""
-    from cce_parallel.train.checkpoint import verify
+    the step after it, save it (lean: without the weights that the optimizer holds), and exit 0,
+    so torchrun exits 0; a restart resumes from that checkpoint and computes the uninterrupted
+    run's losses bit for bit, and its last checkpoint exports as the uninterrupted run's does."""
+    from cce_parallel.train.checkpoint import CheckpointError, verify
     from cce_parallel.train.metrics import read_metrics
 
-    _, reference, _ = tiny_reference
+    reference_dir, reference, _ = tiny_reference
     run_dir = runs_dir / "sigterm"
     overrides = base_overrides(runs_dir, tiny_data, "sigterm") + ["checkpoint.interval=0"]
     proc = _start(train_command(overrides))
@@ -99,11 +102,51 @@ def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, 
     assert verify(run_dir / "checkpoints" / f"step_{step:07d}")["step"] == step
     assert _last_step(run_dir) == step
 
-    done = run_train(overrides + [f"train.stop_at={step + 4}"])
+    # The save on a signal is lean: the model's weights, which the optimizer's entries hold (fp32
+    # here: its parameters are the model's), are left out; the reference's saves keep them.
+    saved = run_dir / "checkpoints" / f"step_{step:07d}"
+    full = reference_dir / "checkpoints" / "step_0000040"
+    lean_bytes, full_bytes = _bytes(saved), _bytes(full)
+    assert verify(saved)["model_weights"] == "main_params" and verify(full)["model_weights"] == "model"
+    assert 0.7 * full_bytes < lean_bytes < 0.8 * full_bytes, (lean_bytes, full_bytes)  # 4 of 16 bytes a param
+
+    # Resumed from it, the run continues bitwise; with checkpoint.lean every save is lean (here the
+    # one at train.stop_at), and its export is the reference's, from a full save, tensor for tensor.
+    done = run_train(overrides + ["checkpoint.lean=true", "train.stop_at=40"])
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:07d}'} at step {step}" in done.stdout
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    steps = range(step + 1, step + 5)
+    steps = range(step + 1, 41)
     assert _losses(metrics, steps) == _losses(reference, steps)  # bitwise
+    last = run_dir / "checkpoints" / "step_0000040"
+    assert verify(last)["model_weights"] == "main_params"
+    assert abs(_bytes(last) - lean_bytes) < 100  # meta.json's step and time aside
+    assert _exported(last, tmp_path / "lean") == _exported(full, tmp_path / "full")
+
+    # The document that maps the weights to their main weights is checked as every file is.
+    for damage in ("truncate", "remove"):
+        copy = shutil.copytree(saved, tmp_path / damage)
+        doc = copy / "tp1_pp0.weights.json"
+        if damage == "truncate":
+            doc.write_bytes(doc.read_bytes()[:-1])
+        else:
+            doc.unlink()
+        with pytest.raises(CheckpointError, match="tp1_pp0.weights.json"):
+            verify(copy)
+
+
+def _bytes(checkpoint: Path) -> int:
+    """What a checkpoint's files hold, meta.json included."""
+    return sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+
+
+def _exported(checkpoint: Path, out: Path) -> dict:
+    """The export's tensors (fp32, padded vocabulary, no tokenizer), as bytes by name."""
+    from safetensors.torch import load_file
+
+    from cce_parallel.hf.export import export
+
+    export(checkpoint, out, keep_padding=True, tokenizer=False)
+    return {k: v.numpy().tobytes() for k, v in load_file(str(out / "model.safetensors")).items()}
 
 
 def test_sigterm_to_the_process_group_of_a_plain_start_exits_0(tiny_data, runs_dir):
