@@ -4,8 +4,9 @@ The trainer's CUDA path (engine._megatron: Float16Module, megatron-core's DDP, g
 get_forward_backward_func; checkpoint save/load of its optimizers) allocates on CUDA, so it cannot
 run on a CPU machine as is. Here a TorchFunctionMode redirects ``device="cuda"`` allocations to the
 CPU, and a few CUDA-only calls and type checks are stubbed, so the same code runs over gloo:
-five optimizer steps, a checkpoint after three, and the last two steps again from the checkpoint
-in a freshly built engine. Prints one JSON line: the losses and gradient norms of both.
+five optimizer steps, a checkpoint after three (lean with checkpoint.lean=true), and the last
+two steps again from the checkpoint in a freshly built engine. Prints one JSON line: the losses
+and gradient norms of both.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/e2e/megatron_engine_worker.py \\
         {megatron|cpu} CKPT_DIR DTYPE section.key=value ...
@@ -137,7 +138,8 @@ def main():
         losses = []
         for k in range(5):
             if k == 3:
-                checkpoint.save(ckpt_dir, step=3, consumed_samples=0, engine=engine, meta={"layout": layout})
+                checkpoint.save(ckpt_dir, step=3, consumed_samples=0, engine=engine, meta={"layout": layout},
+                                lean=recipe.checkpoint.lean)
             losses.append(step(engine, k))
         torch.manual_seed(12345)  # the fresh engine starts from other weights
         resumed_engine = make_engine()
@@ -147,6 +149,7 @@ def main():
         names = {
             "optimizers": [type(m).__name__ for m in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])],
             "model": type(engine.model[0]).__name__,
+            "model_weights": checkpoint.read_meta(checkpoint.latest_checkpoint(ckpt_dir))["model_weights"],
         }
         print("RESULT " + json.dumps({"losses": losses, "resumed": resumed, **names}), flush=True)
     launch.shutdown()

@@ -279,7 +279,8 @@ def test_megatron_engine_fsdp_matches_ddp_and_resumes(tmp_path, tiny_data):
     """engine._megatron with parallel.fsdp=torch, run on CPU tensors by megatron_engine_worker.py
     (dp=2): in fp32 the CPU engine's DDP losses and gradient norms; in bf16 (megatron's
     Float16OptimizerWithFloat16Params over the DTensor shards) megatron DDP's within bf16
-    tolerance; both resume bitwise from their sharded checkpoints."""
+    tolerance; all resume bitwise from their checkpoints, the bf16 ones lean (checkpoint.lean: the
+    bf16 weights left out and restored from the fp32 main weights, sharded and not)."""
     from tests.e2e.test_megatron_engine import _run
 
     fp32 = _run("megatron", tmp_path / "fp32", tiny_data, "fp32", "parallel.tensor=1", "parallel.fsdp=torch")
@@ -290,12 +291,15 @@ def test_megatron_engine_fsdp_matches_ddp_and_resumes(tmp_path, tiny_data):
     assert fp32["resumed"] == fp32["losses"][3:]
 
     bf16 = ["parallel.tensor=1", "train.global_batch_size=16", "loss.impl=megatron"]  # bf16 CCE needs a GPU
+    bf16.append("checkpoint.lean=true")
     fsdp = _run("megatron", tmp_path / "bf16", tiny_data, "bf16", *bf16, "parallel.fsdp=torch")
     ddp = _run("megatron", tmp_path / "bf16-ddp", tiny_data, "bf16", *bf16)
-    assert fsdp["optimizers"] == ["Float16OptimizerWithFloat16Params"]
+    assert fsdp["optimizers"] == ddp["optimizers"] == ["Float16OptimizerWithFloat16Params"]
+    assert fsdp["model_weights"] == ddp["model_weights"] == "main_params"
     assert [x[0] for x in fsdp["losses"]] == pytest.approx([x[0] for x in ddp["losses"]], rel=1e-3)
     assert fsdp["losses"][4][0] < fsdp["losses"][0][0] - 0.3
     assert fsdp["resumed"] == fsdp["losses"][3:]
+    assert ddp["resumed"] == ddp["losses"][3:]
 
 
 @pytest.mark.parametrize("fsdp", ["megatron", "torch"])

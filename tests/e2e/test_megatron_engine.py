@@ -3,7 +3,9 @@
 GPUs run engine._megatron; CPU runs its stand-ins (cpu.py). megatron_engine_worker.py redirects
 CUDA allocations to the CPU so that the CUDA path runs here over gloo; these tests check that it
 trains like the stand-ins and that its checkpoints resume bitwise, for TP=2, the distributed
-optimizer in bf16 with megatron's loss, and a 2-stage pipeline with a tied embedding.
+optimizer in bf16 with megatron's loss (a lean save asked for is saved whole), and a 2-stage
+pipeline with a tied embedding (a lean checkpoint). Lean bf16 checkpoints of megatron's mixed-
+precision optimizer, under DDP and FSDP2: tests/e2e/test_fsdp.py.
 """
 
 import json
@@ -40,13 +42,16 @@ def test_tp2_matches_the_cpu_engine_and_resumes(tmp_path, tiny_data):
 
 def test_distributed_optimizer_bf16_megatron_loss_resumes(tmp_path, tiny_data):
     result = _run("megatron", tmp_path, tiny_data, "bf16", "parallel.tensor=1", "parallel.distributed_optimizer=true",
-                  "train.global_batch_size=16", "loss.impl=megatron")
+                  "train.global_batch_size=16", "loss.impl=megatron", "checkpoint.lean=true")
+    assert result["model_weights"] == "model"  # shards of the main weights only: saved whole
     assert result["optimizers"] == ["DistributedOptimizer"]
     assert result["losses"][4][0] < result["losses"][0][0] - 0.3
     assert result["resumed"] == result["losses"][3:]
 
 
 def test_pipeline_two_stages_resumes(tmp_path, tiny_data):
-    result = _run("megatron", tmp_path, tiny_data, "fp32", "parallel.tensor=1", "parallel.pipeline=2")
+    result = _run("megatron", tmp_path, tiny_data, "fp32", "parallel.tensor=1", "parallel.pipeline=2",
+                  "checkpoint.lean=true")
+    assert result["model_weights"] == "main_params"  # meta.json: stage 0 lean (both resume bitwise)
     assert result["losses"][4][0] < result["losses"][0][0] - 0.3
     assert result["resumed"] == result["losses"][3:]
