@@ -328,17 +328,17 @@ def _main_weights(engine, optim_key: str) -> list[dict] | None:
             found.setdefault(pid, f"{optim_key}/{i}/main_params/{j}")
     chunks = []
     for chunk in engine.model:
-        module, names = _unwrap(chunk), {}
-        parameters = dict(module.named_parameters(remove_duplicate=False))
-        for name in module.state_dict():
-            param = parameters.get(name)
-            if param is None:
+        names = {}
+        # The state dict's own entries, as objects: its names are not always named_parameters'
+        # (megatron's Float16Module gives its inner module's state dict, without "module.").
+        for name, value in _unwrap(chunk).state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.nn.Parameter):
                 continue  # a buffer: saved as it is
-            if id(param) not in found:
+            if id(value) not in found:
                 return None
-            names[name] = found[id(param)]
+            names[name] = found[id(value)]
         chunks.append(names)
-    return chunks
+    return chunks if any(chunks) else None
 
 
 def state_to_save(engine, *, lean: bool = False) -> tuple[dict, dict]:

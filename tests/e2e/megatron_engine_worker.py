@@ -146,10 +146,16 @@ def main():
         checkpoint.load(checkpoint.latest_checkpoint(ckpt_dir), engine=resumed_engine, layout=layout)
         resumed = [step(resumed_engine, k) for k in (3, 4)]
     if dist.get_rank() == 0:
+        saved = checkpoint.latest_checkpoint(ckpt_dir)
+        doc = saved / "tp0_pp0.weights.json"  # a lean checkpoint's: the weights left out, by chunk
+        left_out = sum(map(len, json.loads(doc.read_text())["chunks"])) if doc.exists() else 0
+        weights = sum(isinstance(v, torch.nn.Parameter)
+                      for chunk in engine.model for v in chunk.module.state_dict(keep_vars=True).values())
         names = {
             "optimizers": [type(m).__name__ for m in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])],
             "model": type(engine.model[0]).__name__,
-            "model_weights": checkpoint.read_meta(checkpoint.latest_checkpoint(ckpt_dir))["model_weights"],
+            "model_weights": checkpoint.read_meta(saved)["model_weights"],
+            "weights": weights, "left_out": left_out,  # rank 0's model weights; those a lean save left out
         }
         print("RESULT " + json.dumps({"losses": losses, "resumed": resumed, **names}), flush=True)
     launch.shutdown()

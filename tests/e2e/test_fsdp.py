@@ -296,6 +296,7 @@ def test_megatron_engine_fsdp_matches_ddp_and_resumes(tmp_path, tiny_data):
     ddp = _run("megatron", tmp_path / "bf16-ddp", tiny_data, "bf16", *bf16)
     assert fsdp["optimizers"] == ddp["optimizers"] == ["Float16OptimizerWithFloat16Params"]
     assert fsdp["model_weights"] == ddp["model_weights"] == "main_params"
+    assert fsdp["left_out"] == fsdp["weights"] > 0 and ddp["left_out"] == ddp["weights"] > 0  # every bf16 weight
     assert [x[0] for x in fsdp["losses"]] == pytest.approx([x[0] for x in ddp["losses"]], rel=1e-3)
     assert fsdp["losses"][4][0] < fsdp["losses"][0][0] - 0.3
     assert fsdp["resumed"] == fsdp["losses"][3:]

@@ -43,7 +43,7 @@ def test_tp2_matches_the_cpu_engine_and_resumes(tmp_path, tiny_data):
 def test_distributed_optimizer_bf16_megatron_loss_resumes(tmp_path, tiny_data):
     result = _run("megatron", tmp_path, tiny_data, "bf16", "parallel.tensor=1", "parallel.distributed_optimizer=true",
                   "train.global_batch_size=16", "loss.impl=megatron", "checkpoint.lean=true")
-    assert result["model_weights"] == "model"  # shards of the main weights only: saved whole
+    assert result["model_weights"] == "model" and result["left_out"] == 0  # main-weight shards only: saved whole
     assert result["optimizers"] == ["DistributedOptimizer"]
     assert result["losses"][4][0] < result["losses"][0][0] - 0.3
     assert result["resumed"] == result["losses"][3:]
@@ -53,5 +53,6 @@ def test_pipeline_two_stages_resumes(tmp_path, tiny_data):
     result = _run("megatron", tmp_path, tiny_data, "fp32", "parallel.tensor=1", "parallel.pipeline=2",
                   "checkpoint.lean=true")
     assert result["model_weights"] == "main_params"  # meta.json: stage 0 lean (both resume bitwise)
+    assert result["left_out"] == result["weights"] > 0
     assert result["losses"][4][0] < result["losses"][0][0] - 0.3
     assert result["resumed"] == result["losses"][3:]
