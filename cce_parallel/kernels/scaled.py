@@ -54,7 +54,7 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     is 1); returns x."""
     _check(x, scale, rows_ok=False)
     if x.numel():
-        block = 4096 if x.is_cuda else 1024
+        block = 4096 if x.is_cuda else 16384  # the interpreter: few, large numpy steps
         programs = min(triton.cdiv(x.numel(), block), 1024 if x.is_cuda else 4)
         _scale_kernel[(programs,)](x, scale, x.numel(), BLOCK=block, PROGRAMS=programs, num_warps=8)
     return x
@@ -66,7 +66,7 @@ def scaled_copy(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     _check(x, scale, rows_ok=True)
     out = torch.empty(x.shape, device=x.device, dtype=dtype)
     if x.numel():
-        block = 4096 if x.is_cuda else 1024
+        block = 4096 if x.is_cuda else 16384
         per_row = scale.numel() > 1
         grid = (triton.cdiv(x.numel(), block),)
         _scaled_copy_kernel[grid](

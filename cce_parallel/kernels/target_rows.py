@@ -125,8 +125,10 @@ def add_rows_summed(out: torch.Tensor, index: torch.Tensor, e: torch.Tensor, coe
     # int32 keys: half the radix passes of int64 (V < 2^31; skipped indices such as -1 stay outside).
     ordered, order = torch.sort(index.to(torch.int32), stable=True)
     # Chunks of 16 positions, 256 columns: on an H100 the fastest of 16-128 positions, 128-256 columns
-    # and an fp32 or 3xTF32 dot (benchmarks/results/h100_20261125_target_rows.md).
-    ch, block_d, warps = (16, 256, 4) if out.is_cuda else (16, 32, 1)
+    # and an fp32 or 3xTF32 dot (benchmarks/results/h100_20261125_target_rows.md). The interpreter
+    # (CPU) runs its programs one by one in numpy: 64 positions, 64 columns (a tiny recipe's step
+    # took twice as long with 16 and 32).
+    ch, block_d, warps = (16, 256, 4) if out.is_cuda else (64, 64, 1)
     chunks = triton.cdiv(k, ch)
     parts = torch.empty((chunks, 2, d), device=out.device, dtype=torch.float32)
     grid = (chunks, triton.cdiv(d, block_d))

@@ -1107,9 +1107,9 @@ def test_rows_summed_into_a_narrow_tensor(dtype, device):
 @pytest.mark.parametrize(
     "lengths",
     [
-        [16, 16, 16],  # runs that fill chunks exactly (the interpreter's chunk is 16 positions)
-        [15, 1, 17, 31, 33, 1, 64],  # runs that end just before, at and past chunk edges
-        [200],  # one index for every row: a run through many chunks
+        [64, 64, 64],  # runs that fill chunks exactly (16 positions on a GPU, 64 in the interpreter)
+        [15, 1, 17, 31, 33, 1, 63, 65, 127, 129],  # runs that end just before, at and past chunk edges
+        [400],  # one index for every row: a run through many chunks
         [1] * 37,  # every index distinct
         [5, 40, 3, 90, 2],
     ],
@@ -1180,7 +1180,7 @@ def test_scale_in_place(scale, device):
     """kernels.scale_: x *= s with s on the device; s = 1 leaves every bit (NaN payloads too)."""
     from cce_parallel import kernels
 
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(3)).to(device)
+    x = torch.randn(70000, generator=torch.Generator().manual_seed(3)).to(device)  # programs loop (CPU: 16,384 a block)
     x[7] = float("nan")
     want = x * scale
     got = kernels.scale_(x.clone(), torch.tensor(scale, device=device))
