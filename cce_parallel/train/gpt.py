@@ -5,7 +5,7 @@
 
 The layer spec is Transformer Engine's where TE is installed (and the run is on CUDA), otherwise
 megatron-core's local layers with SDPA core attention and torch norms
-(``cce_parallel.megatron.local_gpt_layer_spec``), which run on CPU too. With ``loss.impl`` a CCE
+(``cce_parallel.megatron.local_gpt_block_spec``), which run on CPU too. With ``loss.impl`` a CCE
 impl, ``use_cce`` swaps the output layer so that ``model(tokens, position_ids, None, labels=labels)``
 returns the per-token fp32 loss [b, s] without building logits; with ``megatron`` the model keeps
 its ColumnParallelLinear + ``vocab_parallel_cross_entropy``, with ``megatron_fused`` the same
@@ -24,7 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cce_parallel.config import Recipe
-from cce_parallel.megatron import local_gpt_block_spec, local_gpt_layer_spec, padded_vocab_size, use_cce
+from cce_parallel.megatron import local_gpt_block_spec, padded_vocab_size, use_cce
 from cce_parallel.megatron.rotary import use_local_rotary
 
 
@@ -152,11 +152,10 @@ def layer_spec(recipe: Recipe, config: TransformerConfig, device: str):
         return get_gpt_layer_with_transformer_engine_spec()
     m = recipe.model
     gemma2 = {"attention_softcap": m.attention_softcap, "sliding_window": m.sliding_window, "post_norms": m.post_norms}
-    if config.sequence_parallel or m.zero_centered_norm:
-        # The final norm must be a LocalNorm too: its grads are all-reduced over TP under SP, and
-        # megatron-core's own local final norm refuses zero-centered weights.
-        return local_gpt_block_spec(config, **gemma2)
-    return local_gpt_layer_spec(**gemma2)
+    # A block spec, so that the final norm is a LocalNorm too. From a layer spec megatron-core
+    # builds its own final norm: apex's FusedLayerNorm where apex is installed, which refuses
+    # RMSNorm; WrappedTorchNorm otherwise, which refuses sequence parallelism and zero-centered weights.
+    return local_gpt_block_spec(config, **gemma2)
 
 
 def mtp_block_spec(config: TransformerConfig, spec, *, use_te: bool):
