@@ -108,5 +108,22 @@ def _report(what: str, err: Exception, quiet: bool) -> None:
     print(f"cce-train: invalid {what}: {err}", file=sys.stderr, flush=True)
 
 
+def _exit(code: int):
+    """A torchrun worker ends here once its process group is destroyed and its files are closed.
+
+    On an H200 (torch 2.11, NCCL) 3 of 4 workers that had finished cleanly then died in the
+    interpreter's C++ teardown ("terminate called without an active exception", SIGABRT), and
+    torchrun reported the finished run as failed (benchmarks/results/h200_20261129_apex). Skipping
+    that teardown keeps the exit code the job's.
+    """
+    from cce_parallel.train.launch import under_torchrun
+
+    if not under_torchrun():
+        raise SystemExit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _exit(main())
