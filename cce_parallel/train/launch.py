@@ -168,6 +168,8 @@ def _free_port() -> int:
 def init_distributed(recipe: Recipe, device: str) -> dict:
     """Join the process group and megatron-core's parallel groups; seed every RNG.
 
+    Called again in the same process (the tests run several layouts per launch), it keeps the
+    process group and builds megatron-core's groups for the new recipe's layout.
     Returns the layout: rank, world, local_rank, tp, pp, dp, dp_rank, accumulation.
     """
     from megatron.core import parallel_state
@@ -186,10 +188,13 @@ def init_distributed(recipe: Recipe, device: str) -> dict:
         # Ranks share the host's cores.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo",
-        timeout=datetime.timedelta(minutes=recipe.run.dist_timeout_minutes),
-    )
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+    else:
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            timeout=datetime.timedelta(minutes=recipe.run.dist_timeout_minutes),
+        )
     p = recipe.parallel
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline)
     _seed(recipe.run.seed, device)

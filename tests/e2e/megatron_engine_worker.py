@@ -5,11 +5,15 @@ get_forward_backward_func; checkpoint save/load of its optimizers) allocates on 
 run on a CPU machine as is. Here a TorchFunctionMode redirects ``device="cuda"`` allocations to the
 CPU, and a few CUDA-only calls and type checks are stubbed, so the same code runs over gloo:
 five optimizer steps, a checkpoint after three (lean with checkpoint.lean=true), and the last
-two steps again from the checkpoint in a freshly built engine. Prints one JSON line: the losses
-and gradient norms of both.
+two steps again from the checkpoint in a freshly built engine. Prints one JSON line per scenario:
+the losses and gradient norms of both.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/e2e/megatron_engine_worker.py \\
-        {megatron|cpu} CKPT_DIR DTYPE section.key=value ...
+        {megatron|cpu} CKPT_DIR DTYPE section.key=value ... [-- {megatron|cpu} CKPT_DIR DTYPE ...]
+
+Several scenarios (separated by ``--``) run one after another in one launch, each in its own
+model-parallel layout and from the recipe's seed, as they would in launches of their own: a
+launch costs its processes several seconds of imports each.
 """
 
 import contextlib
@@ -83,8 +87,26 @@ def install_shims():
     megatron_optimizer.clip_grad_by_total_norm_fp32 = clip
 
 
+def scenarios(argv: list) -> list:
+    """argv split at each "--": [[kind, ckpt_dir, dtype, overrides...], ...]."""
+    groups = [[]]
+    for arg in argv:
+        if arg == "--":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    return groups
+
+
 def main():
-    kind, ckpt_dir, dtype_name, *overrides = sys.argv[1:]
+    for index, (kind, ckpt_dir, dtype_name, *overrides) in enumerate(scenarios(sys.argv[1:])):
+        run(index, kind, ckpt_dir, dtype_name, overrides)
+    from cce_parallel.train import launch
+
+    launch.shutdown()
+
+
+def run(index, kind, ckpt_dir, dtype_name, overrides):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     import torch.distributed as dist
 
@@ -157,8 +179,7 @@ def main():
             "model_weights": checkpoint.read_meta(saved)["model_weights"],
             "weights": weights, "left_out": left_out,  # rank 0's model weights; those a lean save left out
         }
-        print("RESULT " + json.dumps({"losses": losses, "resumed": resumed, **names}), flush=True)
-    launch.shutdown()
+        print(f"RESULT {index} " + json.dumps({"losses": losses, "resumed": resumed, **names}), flush=True)
 
 
 if __name__ == "__main__":

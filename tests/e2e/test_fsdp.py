@@ -281,19 +281,23 @@ def test_megatron_engine_fsdp_matches_ddp_and_resumes(tmp_path, tiny_data):
     Float16OptimizerWithFloat16Params over the DTensor shards) megatron DDP's within bf16
     tolerance; all resume bitwise from their checkpoints, the bf16 ones lean (checkpoint.lean: the
     bf16 weights left out and restored from the fp32 main weights, sharded and not)."""
-    from tests.e2e.test_megatron_engine import _run
+    from tests.e2e.test_megatron_engine import run_engines
 
-    fp32 = _run("megatron", tmp_path / "fp32", tiny_data, "fp32", "parallel.tensor=1", "parallel.fsdp=torch")
-    ddp = _run("cpu", tmp_path / "cpu", tiny_data, "fp32", "parallel.tensor=1")
+    bf16 = ["parallel.tensor=1", "train.global_batch_size=16", "loss.impl=megatron"]  # bf16 CCE needs a GPU
+    bf16.append("checkpoint.lean=true")
+    runs = run_engines(tmp_path, tiny_data, {
+        "fp32": ("megatron", "fp32", "parallel.tensor=1", "parallel.fsdp=torch"),
+        "cpu": ("cpu", "fp32", "parallel.tensor=1"),
+        "bf16": ("megatron", "bf16", *bf16, "parallel.fsdp=torch"),
+        "bf16_ddp": ("megatron", "bf16", *bf16),
+    })
+    fp32, ddp = runs["fp32"], runs["cpu"]
     assert fp32["model"] == "_TorchFSDP" and fp32["optimizers"] == ["FP32Optimizer"]
     assert [x[0] for x in fp32["losses"]] == pytest.approx([x[0] for x in ddp["losses"]], rel=1e-6)
     assert [x[1] for x in fp32["losses"]] == pytest.approx([x[1] for x in ddp["losses"]], rel=1e-5)
     assert fp32["resumed"] == fp32["losses"][3:]
 
-    bf16 = ["parallel.tensor=1", "train.global_batch_size=16", "loss.impl=megatron"]  # bf16 CCE needs a GPU
-    bf16.append("checkpoint.lean=true")
-    fsdp = _run("megatron", tmp_path / "bf16", tiny_data, "bf16", *bf16, "parallel.fsdp=torch")
-    ddp = _run("megatron", tmp_path / "bf16-ddp", tiny_data, "bf16", *bf16)
+    fsdp, ddp = runs["bf16"], runs["bf16_ddp"]
     assert fsdp["optimizers"] == ddp["optimizers"] == ["Float16OptimizerWithFloat16Params"]
     assert fsdp["model_weights"] == ddp["model_weights"] == "main_params"
     assert fsdp["left_out"] == fsdp["weights"] > 0 and ddp["left_out"] == ddp["weights"] > 0  # every bf16 weight

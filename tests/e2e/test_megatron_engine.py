@@ -19,20 +19,40 @@ from tests.e2e.conftest import ROOT, train_env
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _run(kind, tmp_path, tiny_data, dtype, *overrides):
+def run_engines(tmp_path, tiny_data, scenarios: dict) -> dict:
+    """The scenarios {name: (kind, dtype, overrides...)}, one after another in one two-rank
+    launch of megatron_engine_worker.py: {name: its result}."""
+    argv = []
+    for name, (kind, dtype, *overrides) in scenarios.items():
+        argv += [*(["--"] if argv else []), kind, str(tmp_path / f"ckpt_{name}"), dtype, f"data.dir={tiny_data}", *overrides]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "e2e" / "megatron_engine_worker.py"), kind, str(tmp_path / f"ckpt_{kind}"), dtype,
-           f"data.dir={tiny_data}", *overrides]
-    done = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
+           str(ROOT / "tests" / "e2e" / "megatron_engine_worker.py"), *argv]
+    done = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=150 * len(scenarios),
+                          check=False)
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            index, payload = line[len("RESULT "):].split(" ", 1)
+            results[list(scenarios)[int(index)]] = json.loads(payload)
+    if done.returncode != 0 or len(results) != len(scenarios):
         pytest.fail(f"worker failed (exit {done.returncode}):\n{done.stdout[-5000:]}\n{done.stderr[-5000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return results
 
 
-def test_tp2_matches_the_cpu_engine_and_resumes(tmp_path, tiny_data):
-    megatron = _run("megatron", tmp_path, tiny_data, "fp32", "parallel.tensor=2")
-    cpu = _run("cpu", tmp_path, tiny_data, "fp32", "parallel.tensor=2")
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, tiny_data):
+    return run_engines(tmp_path_factory.mktemp("engines"), tiny_data, {
+        "tp2": ("megatron", "fp32", "parallel.tensor=2"),
+        "tp2_cpu": ("cpu", "fp32", "parallel.tensor=2"),
+        "distopt_bf16": ("megatron", "bf16", "parallel.tensor=1", "parallel.distributed_optimizer=true",
+                         "train.global_batch_size=16", "loss.impl=megatron", "checkpoint.lean=true"),
+        "pp2": ("megatron", "fp32", "parallel.tensor=1", "parallel.pipeline=2", "checkpoint.lean=true"),
+        "tp2_again": ("megatron", "fp32", "parallel.tensor=2"),
+    })
+
+
+def test_tp2_matches_the_cpu_engine_and_resumes(engines):
+    megatron, cpu = engines["tp2"], engines["tp2_cpu"]
     assert megatron["model"] == "DistributedDataParallel" and cpu["model"] == "LocalDDP"
     assert [x[0] for x in megatron["losses"]] == pytest.approx([x[0] for x in cpu["losses"]], rel=1e-6)
     assert [x[1] for x in megatron["losses"]] == pytest.approx([x[1] for x in cpu["losses"]], rel=1e-5)
@@ -40,19 +60,22 @@ def test_tp2_matches_the_cpu_engine_and_resumes(tmp_path, tiny_data):
         assert result["resumed"] == result["losses"][3:]
 
 
-def test_distributed_optimizer_bf16_megatron_loss_resumes(tmp_path, tiny_data):
-    result = _run("megatron", tmp_path, tiny_data, "bf16", "parallel.tensor=1", "parallel.distributed_optimizer=true",
-                  "train.global_batch_size=16", "loss.impl=megatron", "checkpoint.lean=true")
+def test_distributed_optimizer_bf16_megatron_loss_resumes(engines):
+    result = engines["distopt_bf16"]
     assert result["model_weights"] == "model" and result["left_out"] == 0  # main-weight shards only: saved whole
     assert result["optimizers"] == ["DistributedOptimizer"]
     assert result["losses"][4][0] < result["losses"][0][0] - 0.3
     assert result["resumed"] == result["losses"][3:]
 
 
-def test_pipeline_two_stages_resumes(tmp_path, tiny_data):
-    result = _run("megatron", tmp_path, tiny_data, "fp32", "parallel.tensor=1", "parallel.pipeline=2",
-                  "checkpoint.lean=true")
+def test_pipeline_two_stages_resumes(engines):
+    result = engines["pp2"]
     assert result["model_weights"] == "main_params"  # meta.json: stage 0 lean (both resume bitwise)
     assert result["left_out"] == result["weights"] > 0
     assert result["losses"][4][0] < result["losses"][0][0] - 0.3
     assert result["resumed"] == result["losses"][3:]
+
+
+def test_a_scenario_gives_the_same_after_others_in_its_launch(engines):
+    """The launch's first scenario, run again after the others: nothing carries over between them."""
+    assert engines["tp2_again"] == engines["tp2"]
