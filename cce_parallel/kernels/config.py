@@ -70,7 +70,7 @@ class KernelConfig:
 INTERPRETER_CONFIG = KernelConfig(
     fwd_block_n=16, fwd_block_v=64, fwd_programs=8, bwd_block_n=16, bwd_block_v=64, bwd_num_warps=4,
     bwd_workspace_bytes=6000, fwd_chunk_bytes=6000, dense_min_cols=64, rows_block_n=2, rows_block_v=64,
-    probs_block_n=16, probs_block_v=32, probs_block_d=16, probs_num_warps=4, probs_num_stages=1,
+    probs_block_n=16, probs_block_v=64, probs_block_d=16, probs_num_warps=4, probs_num_stages=1,
     probs_programs=3,
 )
 
