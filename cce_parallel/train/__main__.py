@@ -109,7 +109,9 @@ def _report(what: str, err: Exception, quiet: bool) -> None:
 
 
 def _exit(code: int):
-    """A torchrun worker ends here once its process group is destroyed and its files are closed.
+    """A rank ends here once its process group is destroyed and its files are closed: under
+    torchrun, and in a plain one-process start (which sets torchrun's variables when it joins its
+    process group). An exception (a crash) leaves as usual, with its traceback.
 
     On an H200 (torch 2.11, NCCL) 3 of 4 workers that had finished cleanly then died in the
     interpreter's C++ teardown ("terminate called without an active exception", SIGABRT), and
