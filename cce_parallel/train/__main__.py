@@ -11,13 +11,15 @@ Also installed as the console script ``cce-train``.
 import argparse
 import os
 import shlex
+import signal
 import sys
 import time
 
 # Under torchrun every rank meets the same bad recipe, and the first rank to exit makes torchrun
-# stop the others, rank 0 included, perhaps before it has printed. So the other ranks wait this
-# long before they report an error themselves: rank 0 speaks first (and torchrun then stops them),
-# and an error that only another rank meets is still reported.
+# stop the others, rank 0 included, perhaps before it has printed. So the other ranks wait up to
+# this long before they report an error themselves: rank 0 speaks first, and an error that only
+# another rank meets is still reported. A SIGTERM ends the wait at once, without a word: torchrun
+# stopping the others once rank 0 has exited, or a scheduler stopping the job (rank 0 speaks).
 QUIET_RANK_WAIT_S = 20.0
 
 
@@ -102,10 +104,37 @@ def main(argv=None) -> int:
     return 0
 
 
+class _Stopped(Exception):
+    pass
+
+
+def _stopped(_number, _frame):
+    raise _Stopped
+
+
 def _report(what: str, err: Exception, quiet: bool) -> None:
-    if quiet:
-        time.sleep(QUIET_RANK_WAIT_S)
+    if quiet and not _waited_for_rank0():
+        return
     print(f"cce-train: invalid {what}: {err}", file=sys.stderr, flush=True)
+
+
+def _waited_for_rank0() -> bool:
+    """A rank other than 0 waits QUIET_RANK_WAIT_S before it reports an error: True after the
+    wait; False where a SIGTERM ended it, or had come already (noted by the trainer's handler)."""
+    from cce_parallel.train.signals import StopOnSignal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, _stopped)
+        owner = getattr(previous, "__self__", None)
+        if isinstance(owner, StopOnSignal) and owner.first is not None:
+            return False
+        time.sleep(QUIET_RANK_WAIT_S)
+    except _Stopped:
+        return False
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return True
 
 
 def _exit(code: int):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -417,6 +418,23 @@ def test_every_rank_reports_a_bad_recipe(monkeypatch, capsys):
     assert cli.main(argv) == 2
     assert waits == [cli.QUIET_RANK_WAIT_S]  # rank 0 does not wait
     assert capsys.readouterr().err == "cce-train: invalid recipe: train.stop_at: 11 is past train.steps=10\n"
+
+    # A SIGTERM during the wait (torchrun stopping the others once rank 0 has exited) ends it at
+    # once and in silence; the handler from before is back afterwards.
+    monkeypatch.setattr(cli.time, "sleep", lambda seconds: (waits.append(seconds), os.kill(os.getpid(), signal.SIGTERM)))
+    monkeypatch.setenv("RANK", "1")
+    noted = []
+
+    def mine(*_):  # a SIGTERM that gets past the wait's own handler is noted here
+        noted.append(1)
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert cli.main(argv) == 2
+        assert len(waits) == 2 and capsys.readouterr().err == "" and noted == []
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_cuda_only_features_on_cpu():
