@@ -19,18 +19,20 @@ from tests.e2e.conftest import ROOT, _alive, _descendants, base_overrides, run_t
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]
 
 
+NEWEST, OLDER = "step_0000050", "step_0000040"  # the reference run's two kept checkpoints (checkpoint.keep: 2)
+
+
 @pytest.fixture(scope="module")
-def two_checkpoints(tiny_data, runs_dir):
-    """The tiny recipe (TP=2) to step 4 with checkpoints at steps 2 and 4: (run dir, metrics)."""
-    from cce_parallel.train.metrics import read_metrics
+def two_checkpoints(tiny_reference):
+    """The reference run (the tiny recipe at TP=2, 50 steps), shared by every test of the run, with
+    its checkpoints NEWEST and OLDER: (run dir, metrics). Tests change copies only."""
+    run_dir, metrics, _ = tiny_reference
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [OLDER, NEWEST]
+    return run_dir, metrics
 
-    run_train(base_overrides(runs_dir, tiny_data, "faults") + ["train.stop_at=4", "checkpoint.interval=2"])
-    run_dir = runs_dir / "faults"
-    return run_dir, read_metrics(run_dir / "metrics.jsonl")
 
-
-def _copy_run(run_dir: Path, name: str) -> Path:
-    copy = run_dir.parent / name
+def _copy_run(run_dir: Path, runs_dir: Path, name: str) -> Path:
+    copy = runs_dir / name
     shutil.copytree(run_dir, copy)
     return copy
 
@@ -45,7 +47,7 @@ def test_checkpoint_holds_tensors_and_small_json(two_checkpoints):
     from cce_parallel.train import checkpoint, checkpoint_files
 
     run_dir, _ = two_checkpoints
-    path = run_dir / "checkpoints" / "step_0000004"
+    path = run_dir / "checkpoints" / NEWEST
     meta = checkpoint.verify(path)
     names = {p.name for p in path.iterdir()}
     assert set(meta["files"]) == names - {"meta.json"}
@@ -89,7 +91,7 @@ def test_megatron_fsdp_checkpoints_resume_under_megatron_fsdp_only(two_checkpoin
     from cce_parallel.train import checkpoint
 
     run_dir, _ = two_checkpoints
-    path = run_dir / "checkpoints" / "step_0000004"
+    path = run_dir / "checkpoints" / NEWEST
     layout = checkpoint.read_meta(path)["layout"]
     engine = SimpleNamespace(model=[SimpleNamespace(ddp_config=SimpleNamespace(use_megatron_fsdp=True))])
     with pytest.raises(ValueError, match="parallel.fsdp=none; this run has parallel.fsdp=megatron"):
@@ -160,8 +162,8 @@ def test_verify_names_the_damaged_file(two_checkpoints, tmp_path, damage):
     from cce_parallel.train import checkpoint
 
     run_dir, _ = two_checkpoints
-    path = tmp_path / "step_0000004"
-    shutil.copytree(run_dir / "checkpoints" / "step_0000004", path)
+    path = tmp_path / NEWEST
+    shutil.copytree(run_dir / "checkpoints" / NEWEST, path)
     checkpoint.verify(path)
     expected = damage(path)
     with pytest.raises(checkpoint.CheckpointError) as err:
@@ -173,8 +175,8 @@ def test_metadata_unpickler_refuses_code(two_checkpoints, tmp_path):
     from cce_parallel.train import checkpoint, checkpoint_files
 
     run_dir, _ = two_checkpoints
-    path = tmp_path / "step_0000004"
-    shutil.copytree(run_dir / "checkpoints" / "step_0000004", path)
+    path = tmp_path / NEWEST
+    shutil.copytree(run_dir / "checkpoints" / NEWEST, path)
 
     class Exploit:
         def __reduce__(self):
@@ -186,40 +188,45 @@ def test_metadata_unpickler_refuses_code(two_checkpoints, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_corrupt_newest_checkpoint_falls_back(two_checkpoints, tiny_data):
-    """Step 4's shard is damaged: the restart warns, naming it, resumes from step 2, and steps 3
-    and 4 repeat the first run's losses bitwise."""
+def test_corrupt_newest_checkpoint_falls_back(two_checkpoints, tiny_data, runs_dir):
+    """The newest checkpoint's shard is damaged: the restart warns, naming it, resumes from the one
+    before, and the steps after it repeat the first run's losses bitwise."""
     from cce_parallel.train.metrics import read_metrics
 
     run_dir, first = two_checkpoints
-    run_dir = _copy_run(run_dir, "faults-fallback")
-    shard = run_dir / "checkpoints" / "step_0000004" / "__0_0.distcp"
+    run_dir = _copy_run(run_dir, runs_dir, "faults-fallback")
+    shard = run_dir / "checkpoints" / NEWEST / "__0_0.distcp"
     _flip_bit(shard, shard.stat().st_size // 3)
-    overrides = base_overrides(run_dir.parent, tiny_data, run_dir.name)
-    done = run_train(overrides + ["train.stop_at=4", "checkpoint.interval=2"])
-    warning = f"warning: skipping checkpoint step_0000004: {shard} is corrupt (sha256 mismatch)"
+    overrides = base_overrides(runs_dir, tiny_data, run_dir.name)
+    done = run_train(overrides + ["train.stop_at=42"])
+    warning = f"warning: skipping checkpoint {NEWEST}: {shard} is corrupt (sha256 mismatch)"
     assert warning in done.stderr.splitlines()
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_0000002'} at step 2" in done.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / OLDER} at step 40" in done.stdout
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    assert list(metrics["resume"]) == [2]
-    assert [metrics["train"][s]["loss"] for s in (3, 4)] == [first["train"][s]["loss"] for s in (3, 4)]
+    assert list(metrics["resume"]) == [40]
+    assert [metrics["train"][s]["loss"] for s in (41, 42)] == [first["train"][s]["loss"] for s in (41, 42)]
+    assert metrics["train"][41]["time"] != first["train"][41]["time"]  # the restart's records, not the copied ones
 
 
 def test_named_bad_checkpoint_is_an_error(two_checkpoints, runs_dir, tiny_data):
     run_dir, _ = two_checkpoints
-    run_dir = _copy_run(run_dir, "faults-named")
-    path = run_dir / "checkpoints" / "step_0000004"
+    run_dir = _copy_run(run_dir, runs_dir, "faults-named")
+    path = run_dir / "checkpoints" / NEWEST
     (path / ".metadata").unlink()
     done = run_train(base_overrides(runs_dir, tiny_data, "faults-named-2") + [f"checkpoint.resume={path}"], check=False)
     assert done.returncode != 0
     line = f"cce-train: invalid recipe: checkpoint.resume: {path}: {path}/.metadata is missing"
     assert line in done.stderr.splitlines()
+    # Rank 0 speaks for both: torchrun's SIGTERM, once rank 0 has exited, ends rank 1's wait for it
+    # (QUIET_RANK_WAIT_S) at once and in silence, not 20 s later with the same line again.
+    assert done.stderr.count(line) == 1, done.stderr[-3000:]
     assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr  # torchrun adds its own
 
 
 def test_lock_and_killed_launcher(tiny_data, runs_dir):
     """A second run on a live run's directory is refused, naming the holder; SIGKILL to torchrun
-    alone takes its workers down within seconds; the stale lock does not block the restart."""
+    alone takes its workers down within seconds (paused ones too: PR_SET_PDEATHSIG's SIGKILL); the
+    stale lock does not block the restart."""
     # Far more steps than the test needs: the first run must still hold the lock when the second
     # starts, however slow the machine (50 steps ended before the second run's start on 2 cores).
     overrides = base_overrides(runs_dir, tiny_data, "locked") + ["checkpoint.interval=2", "train.steps=100000"]
@@ -234,13 +241,17 @@ def test_lock_and_killed_launcher(tiny_data, runs_dir):
             time.sleep(0.1)
         holder = (run_dir / ".lock").read_text().strip()
         assert holder.startswith("pid ") and " on host " in holder
+        # Its workers are paused (they still hold the lock) while the second run starts, rather
+        # than training on and taking the CPU from it.
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
 
         second = run_train(overrides, check=False)
         assert second.returncode != 0
         assert f"cce-train: invalid recipe: run.name: {run_dir} is in use by another run ({holder}" in second.stderr
 
-        workers = _descendants(proc.pid)
-        assert len(workers) >= 2
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 10
