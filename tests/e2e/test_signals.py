@@ -76,16 +76,19 @@ def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, 
     """SIGTERM to one rank only (a signal reaches ranks at different times): both ranks agree on
     the step after it, save it (lean: without the weights that the optimizer holds), and exit 0,
     so torchrun exits 0; a restart resumes from that checkpoint and computes the uninterrupted
-    run's losses bit for bit, and its last checkpoint exports as the uninterrupted run's does."""
+    run's losses bit for bit, and its last checkpoint exports as the uninterrupted run's does. The
+    run starts from the uninterrupted run's step-40 checkpoint (checkpoint.resume names it), so
+    that it trains 10 steps rather than 50."""
     from cce_parallel.train.checkpoint import CheckpointError, verify
     from cce_parallel.train.metrics import read_metrics
 
     reference_dir, reference, _ = tiny_reference
     run_dir = runs_dir / "sigterm"
     overrides = base_overrides(runs_dir, tiny_data, "sigterm") + ["checkpoint.interval=0"]
-    proc = _start(train_command(overrides))
+    full = reference_dir / "checkpoints" / "step_0000040"
+    proc = _start(train_command(overrides + [f"checkpoint.resume={full}"]))
     try:
-        _wait_for(proc, lambda: _last_step(run_dir) >= 3)
+        _wait_for(proc, lambda: _last_step(run_dir) >= 42)
         ranks = _ranks(proc)
         assert len(ranks) == 2, ranks
         os.kill(ranks[-1], signal.SIGTERM)
@@ -93,10 +96,11 @@ def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, 
     finally:
         _kill_all(proc)
     assert proc.returncode == 0, output[-4000:]
+    assert f"resumed from {full} at step 40" in output
     stopped = [line for line in output.splitlines() if "on a signal, checkpoint written" in line]
     assert stopped, output[-4000:]
     step = int(stopped[0].split("stopped at step ")[1].split()[0])
-    assert 3 <= step < 50
+    assert 42 <= step < 50
     assert output.count("received SIGTERM") == 1  # one rank got it, both stopped
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:07d}"
     assert verify(run_dir / "checkpoints" / f"step_{step:07d}")["step"] == step
@@ -105,22 +109,23 @@ def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, 
     # The save on a signal is lean: the model's weights, which the optimizer's entries hold (fp32
     # here: its parameters are the model's), are left out; the reference's saves keep them.
     saved = run_dir / "checkpoints" / f"step_{step:07d}"
-    full = reference_dir / "checkpoints" / "step_0000040"
     lean_bytes, full_bytes = _bytes(saved), _bytes(full)
     assert verify(saved)["model_weights"] == "main_params" and verify(full)["model_weights"] == "model"
     assert 0.7 * full_bytes < lean_bytes < 0.8 * full_bytes, (lean_bytes, full_bytes)  # 4 of 16 bytes a param
 
-    # Resumed from it, the run continues bitwise; with checkpoint.lean every save is lean (here the
-    # one at train.stop_at), and its export is the reference's, from a full save, tensor for tensor.
-    done = run_train(overrides + ["checkpoint.lean=true", "train.stop_at=40"])
+    # Resumed from it (checkpoint.resume: auto, the run's own), the run continues bitwise; with
+    # checkpoint.lean every save is lean (here the one at the end), and its export is the
+    # reference's, from a full save, tensor for tensor.
+    done = run_train(overrides + ["checkpoint.lean=true"])
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:07d}'} at step {step}" in done.stdout
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    steps = range(step + 1, 41)
-    assert _losses(metrics, steps) == _losses(reference, steps)  # bitwise
-    last = run_dir / "checkpoints" / "step_0000040"
+    steps = range(41, 51)
+    assert _losses(metrics, steps) == _losses(reference, steps)  # bitwise, before the signal and after
+    last = run_dir / "checkpoints" / "step_0000050"
     assert verify(last)["model_weights"] == "main_params"
-    assert abs(_bytes(last) - lean_bytes) < 100  # meta.json's step and time aside
-    assert _exported(last, tmp_path / "lean") == _exported(full, tmp_path / "full")
+    assert _bytes(last, ".distcp") == _bytes(saved, ".distcp")  # the JSON files' numbers aside
+    assert _exported(last, tmp_path / "lean") == _exported(reference_dir / "checkpoints" / "step_0000050",
+                                                            tmp_path / "full")
 
     # The document that maps the weights to their main weights is checked as every file is.
     for damage in ("truncate", "remove"):
@@ -134,9 +139,9 @@ def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, 
             verify(copy)
 
 
-def _bytes(checkpoint: Path) -> int:
-    """What a checkpoint's files hold, meta.json included."""
-    return sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+def _bytes(checkpoint: Path, suffix: str = "") -> int:
+    """What a checkpoint's files (those whose names end in suffix) hold, meta.json included."""
+    return sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file() and f.name.endswith(suffix))
 
 
 def _exported(checkpoint: Path, out: Path) -> dict:
