@@ -181,26 +181,29 @@ def test_no_checkpoint_at_the_end_when_not_asked(tiny_data, runs_dir):
 
 
 def test_kill_and_resume(tiny_reference, tiny_data, runs_dir):
-    """SIGKILL a torchrun run after its step-10 checkpoint; a restart resumes from it and its
-    losses from step 11 on are bitwise the uninterrupted run's."""
+    """SIGKILL a torchrun run after its step-44 checkpoint; a restart resumes from it and its
+    losses from step 45 on are bitwise the uninterrupted run's. The run starts from the
+    uninterrupted run's step-40 checkpoint (checkpoint.resume names it), so that it trains 10
+    steps rather than 50."""
     from cce_parallel.train.metrics import read_metrics
 
-    _, reference, _ = tiny_reference
+    reference_dir, reference, _ = tiny_reference
     run_dir = runs_dir / "killed"
-    overrides = base_overrides(runs_dir, tiny_data, "killed")
-    killed_at, _ = kill_after_checkpoint(overrides, run_dir, min_step=12)
-    assert killed_at < 20, "killed too late to test the resume from step 10"
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000010"
+    overrides = base_overrides(runs_dir, tiny_data, "killed") + ["checkpoint.interval=4"]
+    start = f"checkpoint.resume={reference_dir / 'checkpoints' / 'step_0000040'}"
+    killed_at, _ = kill_after_checkpoint(overrides + [start], run_dir, min_step=45)
+    assert killed_at < 48, "killed too late to test the resume from step 44"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000044"
 
-    done = run_train(overrides + ["train.stop_at=24"])
-    assert "resumed from" in done.stdout
+    done = run_train(overrides)
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_0000044'} at step 44" in done.stdout
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    assert list(metrics["resume"]) == [10]
-    steps = range(11, 25)
+    assert list(metrics["resume"]) == [40, 44]
+    steps = range(41, 51)
     assert _losses(metrics, steps) == _losses(reference, steps)  # bitwise
     assert [metrics["train"][s]["lr"] for s in steps] == [reference["train"][s]["lr"] for s in steps]
-    assert metrics["eval"][20]["val_loss"] == reference["eval"][20]["val_loss"]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000024"
+    assert metrics["eval"][50]["val_loss"] == reference["eval"][50]["val_loss"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000050"
 
 
 def test_extending_a_finished_run_warns_of_its_schedule(tiny_data, runs_dir):
