@@ -12,6 +12,7 @@ keeps Gemma's 256,000 rows, the padding that --keep-padding keeps.
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -23,8 +24,17 @@ from tests.hf.test_train_export import _export, _hf_loss
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.distributed]
 
 
+@pytest.fixture
+def scratch(tmp_path):
+    """tmp_path, emptied after the test: a case writes about 44 GB (the run's checkpoint of 2.6B
+    parameters and its export), which pytest would keep, three runs' worth, on a 64 GiB disk."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_gemma2_2b_export_matches_the_run(tmp_path, tp):
+def test_gemma2_2b_export_matches_the_run(scratch, tp):
+    tmp_path = scratch
     if not gpu_run() or torch.cuda.device_count() < tp:
         pytest.skip(f"needs CCE_TEST_GPU=1 and {tp} GPUs")
     from cce_parallel.config import Recipe
