@@ -17,6 +17,9 @@ import pytest
 import torch
 
 from tests.helpers import gpu_run
+from tests.interpreter import skip_nested_patching
+
+skip_nested_patching()
 
 _MARKS = {
     "gpu": "needs a CUDA GPU (skipped without one)",

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.interpreter import skip_nested_patching
+
 
 class Reporter:
     """Passed to the worker: sends (kind, rank, name, value) messages to the parent."""
@@ -99,6 +101,7 @@ class GroupOutcome:
 def _entry(rank, world_size, backend, init_file, collective_timeout, fn, args, queue):
     report = Reporter(queue, rank)
     code = 0
+    skip_nested_patching()
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
