@@ -30,7 +30,8 @@ def test_nested_helpers_skip_the_swap_and_the_launch_restores_it():
 
     from tests.interpreter import skip_nested_patching
 
-    assert skip_nested_patching()  # conftest installed it; installing again is a no-op
+    if not skip_nested_patching():  # conftest installed it where it could; installing again is a no-op
+        pytest.skip("this triton's interpreter has no _patch_lang / _LangPatchScope to skip")
     assert interpreter._patch_lang.skips_nested
     builtin_sum, builtin_load = tl.sum, tl.load
     x = torch.arange(5, dtype=torch.float32)
