@@ -116,11 +116,15 @@ def test_golden_losses(tiny_reference, tiny_data):
 
 
 def test_tp1_matches_tp2(tiny_reference, tiny_data, runs_dir):
-    """The same recipe at TP=1, started as a plain `python -m` (world size 1): the same losses."""
+    """The same recipe at TP=1, started as a plain `python -m` (world size 1): the same losses. Its 5
+    steps are the whole run (train.steps, the decay kept at the recipe's 50), with
+    checkpoint.at_end=false and interval 0, as a benchmark's run: no checkpoint at all."""
     _, reference, _ = tiny_reference
-    run_train(base_overrides(runs_dir, tiny_data, "tp1") + ["parallel.tensor=1", "train.stop_at=5"], nproc=None)
+    run_train(base_overrides(runs_dir, tiny_data, "tp1") + ["parallel.tensor=1", "train.steps=5", "optim.decay_steps=50",
+                                                            "checkpoint.at_end=false", "checkpoint.interval=0"], nproc=None)
     from cce_parallel.train.metrics import read_metrics
 
+    assert not list((runs_dir / "tp1" / "checkpoints").glob("step_*"))
     metrics = read_metrics(runs_dir / "tp1" / "metrics.jsonl")
     assert metrics["meta"][0]["layout"]["world"] == 1
     assert _losses(metrics, range(1, 6)) == pytest.approx(_losses(reference, range(1, 6)), rel=1e-5)
@@ -169,17 +173,6 @@ def test_megatron_fused_loss_matches_megatron(three_steps):
     assert fused[2] < fused[0]  # it trains
 
 
-def test_no_checkpoint_at_the_end_when_not_asked(tiny_data, runs_dir):
-    """checkpoint.at_end=false with interval 0 (a benchmark's run): no checkpoint at all; with an
-    interval, only the interval's."""
-    for name, interval, saved in (("no-save", 0, []), ("every-2", 2, ["step_0000002"])):
-        run_train(base_overrides(runs_dir, tiny_data, name)
-                  + ["parallel.tensor=1", "train.steps=3", "optim.warmup_steps=1", "checkpoint.at_end=false", f"checkpoint.interval={interval}"],
-                  nproc=None)
-        found = sorted(p.name for p in (runs_dir / name / "checkpoints").glob("step_*"))
-        assert found == saved, (name, found)
-
-
 def test_kill_and_resume(tiny_reference, tiny_data, runs_dir):
     """SIGKILL a torchrun run after its step-44 checkpoint; a restart resumes from it and its
     losses from step 45 on are bitwise the uninterrupted run's. The run starts from the
@@ -210,16 +203,19 @@ def test_extending_a_finished_run_warns_of_its_schedule(tiny_data, runs_dir):
     """A finished run started again with more train.steps resumes under the recipe's schedule, whose
     decay then spans the new length: the start says so once, with the next step's learning rate
     under both schedules and the override that keeps the checkpoint's; with that override the run
-    goes on at the checkpoint's schedule (min_lr past its decay) and nothing is said."""
+    goes on at the checkpoint's schedule (min_lr past its decay) and nothing is said. The first run
+    has checkpoint.at_end=false and interval 2: of its 3 steps only step 2 is saved."""
     from cce_parallel.config import Recipe
     from cce_parallel.train.metrics import read_metrics
 
     min_lr, run_dir = Recipe().optim.min_lr, runs_dir / "extended"
     overrides = base_overrides(runs_dir, tiny_data, "extended") + [
-        "parallel.tensor=1", "optim.warmup_steps=1", "eval.iters=1", "checkpoint.interval=0"]
-    run_train(overrides + ["train.steps=3"], nproc=None)
+        "parallel.tensor=1", "optim.warmup_steps=1", "eval.iters=1"]
+    run_train(overrides + ["train.steps=3", "checkpoint.at_end=false", "checkpoint.interval=2"], nproc=None)
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0000002"]
 
-    kept = run_train(overrides + ["train.steps=5", "optim.decay_steps=3"], nproc=None)  # the fix, from the start
+    overrides.append("checkpoint.interval=0")
+    kept = run_train(overrides + ["train.steps=5", "optim.decay_steps=3"], nproc=None)  # the fix, from step 2 on
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert "learning-rate schedule" not in kept.stderr and not metrics["schedule_change"]
     assert [metrics["train"][s]["lr"] for s in (4, 5)] == [min_lr, min_lr]
@@ -235,13 +231,6 @@ def test_extending_a_finished_run_warns_of_its_schedule(tiny_data, runs_dir):
     for text in ("step_0000005", "optim.decay_steps 3 -> 7 (unset: it follows train.steps)", "Step 6",
                  f"{change['lr_recipe']:.3e}", f"{min_lr:.3e}", "--set optim.decay_steps=3"):
         assert text in warnings[0], (text, warnings[0])
-
-
-def test_plain_start_relaunches_under_torchrun(tiny_data, runs_dir):
-    """`python -m cce_parallel.train` for a 2-rank recipe re-executes itself through torchrun."""
-    done = run_train(base_overrides(runs_dir, tiny_data, "plain") + ["train.stop_at=1", "eval.iters=1"], nproc=None)
-    assert "not under torchrun: this recipe needs 2 processes" in done.stdout
-    assert (runs_dir / "plain" / "checkpoints" / "step_0000001" / ".metadata").exists()
 
 
 def test_bad_recipe_fails_before_training(tiny_data, runs_dir):
