@@ -69,6 +69,7 @@ def test_train_export_and_init_from(tmp_path, data_dir, arch):
     from transformers import AutoTokenizer
 
     from cce_parallel.data.tokenizer import load_tokenizer
+    from cce_parallel.hf.export import export
     from cce_parallel.train.metrics import read_metrics
 
     run_train(base_overrides(tmp_path, data_dir, arch) + MODELS[arch] + COMMON)
@@ -76,9 +77,10 @@ def test_train_export_and_init_from(tmp_path, data_dir, arch):
     ours = read_metrics(run_dir / "metrics.jsonl")["eval"][3]["val_loss"]
 
     rows = 1536 if arch == "llama" else 1152  # 1,024 padded to a multiple of 384 · tp
-    cut = _export(run_dir, tmp_path / "hf")  # the run directory: its latest checkpoint
+    # The default export in this process, the padded one through the command line (one process fewer).
+    cut = export(run_dir / "checkpoints" / "step_0000003", tmp_path / "hf")
     assert (cut["architecture"], cut["vocab_size"], cut["padded_vocab"], cut["step"]) == (arch, 1024, rows, 3)
-    padded = _export(run_dir / "checkpoints" / "step_0000003", tmp_path / "hf_padded", "--keep-padding")
+    padded = _export(run_dir, tmp_path / "hf_padded", "--keep-padding")  # the run directory: its latest checkpoint
     assert padded["vocab_size"] == rows
     hf_val = _hf_loss(tmp_path / "hf_padded", run_dir, "valid", 0)
     assert abs(hf_val - ours) < 1e-4 * ours, (hf_val, ours)
