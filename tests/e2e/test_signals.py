@@ -140,7 +140,7 @@ def test_sigterm_on_one_rank_saves_at_the_next_step_and_resumes(tiny_reference, 
 
 
 def _bytes(checkpoint: Path, suffix: str = "") -> int:
-    """What a checkpoint's files (those whose names end in suffix) hold, meta.json included."""
+    """What a checkpoint's files whose names end in suffix hold (every file by default, meta.json included)."""
     return sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file() and f.name.endswith(suffix))
 
 
