@@ -1,4 +1,6 @@
-"""spawn(worker, world_size): run a worker in one process group of world_size processes.
+"""spawn(worker, world_size): run a worker in one process group of world_size processes; and
+run_entry_point(argv, nproc): the train job's ranks (``python -m cce_parallel.train``) as torchrun
+would start them, without torchrun.
 
 Each process joins a process group (gloo on CPU, NCCL with one GPU per rank) through a file store
 in a fresh temporary directory (no port to race for), calls ``worker(rank, world_size, report,
@@ -20,6 +22,12 @@ safe as a DataLoader worker's fork. It holds the environment of its start (after
 tests/conftest.py set TRITON_INTERPRET=1), not a later os.environ. NCCL ranks are spawned afresh,
 so that no CUDA state can cross a fork. Children find the test modules through the parent's
 sys.path.
+
+run_entry_point forks the train job's ranks from the same server (which imported the trainer
+too), each with torchrun's variables in its environment, so that a CPU training run costs its
+steps rather than three interpreters' start-up (torchrun's and two ranks': about 13 CPU-s). It is
+for the tests that check what a run computes (tests/e2e). What torchrun itself does (a plain
+start's re-launch, signals, its grace, a killed agent) is tested through torchrun.
 """
 
 import contextlib
@@ -139,8 +147,10 @@ def _entry(rank, world_size, backend, init_file, collective_timeout, fn, args, q
     os._exit(code)
 
 
-# What the fork server imports once (missing ones are skipped): what the gloo workers use.
-_PRELOAD = ["tests.dist", "cce_parallel.parallel", "megatron.core"]
+# What the fork server imports once (missing ones are skipped): what the gloo workers and the
+# train job's ranks use.
+_PRELOAD = ["tests.dist", "cce_parallel.parallel", "megatron.core", "cce_parallel.train.__main__",
+            "cce_parallel.train.trainer"]
 
 
 def _context(backend: str):
@@ -256,3 +266,88 @@ def one_megatron_rank():
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+# -- the train job's ranks ------------------------------------------------------------------------
+
+# torchrun's wait between stopping the other ranks (SIGTERM) and killing them (its default).
+_SHUTDOWN_S = 30.0
+
+
+def _entry_point_rank(argv, environ, cwd, stdout, stderr):
+    """One rank: torchrun's environment, the run's output files on fds 1 and 2, then what
+    ``python -m cce_parallel.train`` does (cce_parallel/train/__main__.py), exit status included."""
+    import sys
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    for fd, path in ((1, stdout), (2, stderr)):
+        out = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.argv = [os.path.join(cwd, "cce_parallel", "train", "__main__.py"), *argv]
+    from cce_parallel.train.__main__ import _exit, main
+
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a crash: its traceback, as the interpreter prints it
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def run_entry_point(argv, nproc: int, *, env: dict, cwd, timeout: float):
+    """``torchrun --standalone --nproc-per-node=nproc -m cce_parallel.train *argv`` on CPU, with the
+    ranks forked (see the module's doc): a subprocess.CompletedProcess whose stdout and stderr are
+    the ranks' together, as torchrun's are, and whose returncode is torchrun's (1 if a rank
+    failed). As torchrun does, the first rank that fails stops the others: SIGTERM, then SIGKILL
+    after _SHUTDOWN_S. Raises subprocess.TimeoutExpired after timeout seconds (the ranks killed)."""
+    import signal
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = _context("gloo")
+    tmp = tempfile.mkdtemp(prefix="cce_ranks_")
+    stdout, stderr = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+    for path in (stdout, stderr):
+        open(path, "w").close()
+    procs = []
+    try:
+        for rank in range(nproc):
+            environ = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                       "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}
+            environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks
+            p = ctx.Process(target=_entry_point_rank, args=(list(argv), environ, str(cwd), stdout, stderr))
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout
+        stop_at = None
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise subprocess.TimeoutExpired(["run_entry_point", *argv], timeout)
+            if stop_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                stop_at = now + _SHUTDOWN_S
+                for p in procs:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGTERM)
+            if stop_at is not None and now > stop_at:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        with open(stdout) as out, open(stderr) as err:
+            outputs = out.read(), err.read()
+        shutil.rmtree(tmp, ignore_errors=True)
+    code = 0 if all(p.exitcode == 0 for p in procs) else 1
+    return subprocess.CompletedProcess(["run_entry_point", *argv], code, *outputs)

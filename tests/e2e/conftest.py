@@ -1,4 +1,5 @@
-"""End-to-end runs of the real entry point under torchrun (gloo, CPU) on the tiny recipe.
+"""End-to-end runs of the real entry point (gloo, CPU) on the tiny recipe: under torchrun, or with
+its ranks forked as torchrun starts them (run_train; tests/dist.py says why).
 
 The dataset is prepared once per test run (``tiny_data``) and every run points at it. The
 reference run (``tiny_reference``: the tiny recipe at TP=2, all 50 steps) is made once per test
@@ -45,12 +46,22 @@ def train_command(overrides, *, nproc: int | None = 2, recipe: str | None = None
     return cmd + ["--set", *overrides]
 
 
-def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=None, check=True, recipe=None):
+def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=None, check=True, recipe=None,
+              torchrun=False):
+    """A run of the entry point, to its end: nproc ranks, or a plain ``python -m`` start with
+    nproc=None. On CPU the ranks are forked as torchrun would start them (tests/dist.py:
+    run_entry_point), unless torchrun=True: for tests of torchrun's part (its exit status, its
+    stopping the other ranks) and for environments a fork cannot take (a sitecustomize)."""
+    env = env or train_env()
     start = time.monotonic()
-    done = subprocess.run(
-        train_command(overrides, nproc=nproc, recipe=recipe), cwd=ROOT, env=env or train_env(), capture_output=True, text=True,
-        timeout=timeout, check=False,
-    )
+    if nproc is not None and not torchrun and env.get("TRITON_INTERPRET") == os.environ.get("TRITON_INTERPRET") == "1":
+        from tests.dist import run_entry_point
+
+        argv = (["--recipe", recipe] if recipe else []) + ["--set", *overrides]
+        done = run_entry_point(argv, nproc, env=env, cwd=ROOT, timeout=timeout)
+    else:
+        done = subprocess.run(train_command(overrides, nproc=nproc, recipe=recipe), cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
     done.seconds = time.monotonic() - start
     if check and done.returncode != 0:
         pytest.fail(f"training run failed (exit {done.returncode}):\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}")
@@ -151,13 +162,13 @@ def runs_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_data, tmp_path_factory):
-    """The tiny recipe at TP=2 over 2 ranks, uninterrupted, with wandb offline, run once per test
-    run (whichever xdist worker asks first): (run dir, metrics, the finished run with its output
-    and .seconds)."""
+    """The tiny recipe at TP=2 over 2 ranks under torchrun, uninterrupted, with wandb offline, run
+    once per test run (whichever xdist worker asks first): (run dir, metrics, the finished run with
+    its output and .seconds)."""
     from cce_parallel.train.metrics import read_metrics
 
     def build(path: Path):
-        done = run_train(base_overrides(path, tiny_data, "reference"), env=train_env(WANDB_MODE="offline"))
+        done = run_train(base_overrides(path, tiny_data, "reference"), env=train_env(WANDB_MODE="offline"), torchrun=True)
         output = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr, "seconds": done.seconds}
         (path / "reference.json").write_text(json.dumps(output))
 

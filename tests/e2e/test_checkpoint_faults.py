@@ -213,7 +213,8 @@ def test_named_bad_checkpoint_is_an_error(two_checkpoints, runs_dir, tiny_data):
     run_dir = _copy_run(run_dir, runs_dir, "faults-named")
     path = run_dir / "checkpoints" / NEWEST
     (path / ".metadata").unlink()
-    done = run_train(base_overrides(runs_dir, tiny_data, "faults-named-2") + [f"checkpoint.resume={path}"], check=False)
+    done = run_train(base_overrides(runs_dir, tiny_data, "faults-named-2") + [f"checkpoint.resume={path}"], check=False,
+                     torchrun=True)
     assert done.returncode != 0
     line = f"cce-train: invalid recipe: checkpoint.resume: {path}: {path}/.metadata is missing"
     assert line in done.stderr.splitlines()

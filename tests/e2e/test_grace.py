@@ -182,7 +182,7 @@ def test_a_bare_torchrun_whose_grace_is_shorter_than_the_save_warns(tiny_data, t
     env = _slow_disk_env(tmp_path, 0.5e6, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="15")
     run_dir = tmp_path / "short-grace"
     overrides = base_overrides(tmp_path, tiny_data, "short-grace") + ["checkpoint.interval=0", "eval.iters=1"]
-    first = run_train(overrides + ["train.stop_at=2"], env=env)
+    first = run_train(overrides + ["train.stop_at=2"], env=env, torchrun=True)
     pattern = (r"warning: a save on a signal may take ([\d.]+) s \(.*measured on the save of step 2\); "
                r"but torchrun SIGKILLs the ranks 15 s after passing a signal on \(TORCH_ELASTIC_SHUTDOWN_TIMEOUT\): "
                r"give it (\d+) s")
@@ -190,7 +190,7 @@ def test_a_bare_torchrun_whose_grace_is_shorter_than_the_save_warns(tiny_data, t
     assert [r["step"] for r in _records(run_dir, "grace_warning")] == [2]  # after the save of step 2
 
     normal_disk = _slow_disk_env(tmp_path, None, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="15")
-    second = run_train(overrides + ["train.stop_at=3"], env=normal_disk)
+    second = run_train(overrides + ["train.stop_at=3"], env=normal_disk, torchrun=True)
     found = re.search(pattern, second.stderr)
     assert found, second.stderr[-3000:]
     assert int(found[2]) > 15 and float(found[1]) >= 2 * 3  # two saves of about 4 s
