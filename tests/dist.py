@@ -274,9 +274,10 @@ def one_megatron_rank():
 _SHUTDOWN_S = 30.0
 
 
-def _entry_point_rank(argv, environ, cwd, stdout, stderr):
-    """One rank: torchrun's environment, the run's output files on fds 1 and 2, then what
-    ``python -m cce_parallel.train`` does (cce_parallel/train/__main__.py), exit status included."""
+def _entry_point_rank(main, argv, environ, cwd, stdout, stderr):
+    """One rank: torchrun's environment, the run's output files on fds 1 and 2, sys.argv, then
+    main() (module:function), whose return value (None: 0) is the exit status."""
+    import importlib
     import sys
 
     os.environ.clear()
@@ -286,25 +287,29 @@ def _entry_point_rank(argv, environ, cwd, stdout, stderr):
         out = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(out, fd)
         os.close(out)
-    sys.argv = [os.path.join(cwd, "cce_parallel", "train", "__main__.py"), *argv]
-    from cce_parallel.train.__main__ import _exit, main
-
+    module, name = main.split(":")
+    module = importlib.import_module(module)
+    sys.argv = [module.__file__, *argv]
     try:
-        code = main(argv)
+        code = getattr(module, name)() or 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     except BaseException:  # noqa: BLE001 - a crash: its traceback, as the interpreter prints it
         traceback.print_exc()
         code = 1
-    _exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as cce_parallel/train/__main__.py's ranks leave
 
 
-def run_entry_point(argv, nproc: int, *, env: dict, cwd, timeout: float):
+def run_entry_point(argv, nproc: int, *, env: dict, cwd, timeout: float,
+                    main: str = "cce_parallel.train.__main__:main"):
     """``torchrun --standalone --nproc-per-node=nproc -m cce_parallel.train *argv`` on CPU, with the
-    ranks forked (see the module's doc): a subprocess.CompletedProcess whose stdout and stderr are
-    the ranks' together, as torchrun's are, and whose returncode is torchrun's (1 if a rank
-    failed). As torchrun does, the first rank that fails stops the others: SIGTERM, then SIGKILL
-    after _SHUTDOWN_S. Raises subprocess.TimeoutExpired after timeout seconds (the ranks killed)."""
+    ranks forked (see the module's doc), or another entry point's main (module:function, reading
+    sys.argv): a subprocess.CompletedProcess whose stdout and stderr are the ranks' together, as
+    torchrun's are, and whose returncode is torchrun's (1 if a rank failed). As torchrun does, the
+    first rank that fails stops the others: SIGTERM, then SIGKILL after _SHUTDOWN_S. Raises
+    subprocess.TimeoutExpired after timeout seconds (the ranks killed)."""
     import signal
     import socket
     import subprocess
@@ -324,7 +329,8 @@ def run_entry_point(argv, nproc: int, *, env: dict, cwd, timeout: float):
                        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)}
             environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks
-            p = ctx.Process(target=_entry_point_rank, args=(list(argv), environ, str(cwd), stdout, stderr))
+            args = (main, list(argv), environ, str(cwd), stdout, stderr)
+            p = ctx.Process(target=_entry_point_rank, args=args)
             p.start()
             procs.append(p)
         deadline = time.monotonic() + timeout

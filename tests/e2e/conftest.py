@@ -54,7 +54,8 @@ def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=Non
     stopping the other ranks) and for environments a fork cannot take (a sitecustomize)."""
     env = env or train_env()
     start = time.monotonic()
-    if nproc is not None and not torchrun and env.get("TRITON_INTERPRET") == os.environ.get("TRITON_INTERPRET") == "1":
+    cpu = env.get("TRITON_INTERPRET") == os.environ.get("TRITON_INTERPRET") == "1"
+    if nproc is not None and not torchrun and cpu:
         from tests.dist import run_entry_point
 
         argv = (["--recipe", recipe] if recipe else []) + ["--set", *overrides]
@@ -168,7 +169,8 @@ def tiny_reference(tiny_data, tmp_path_factory):
     from cce_parallel.train.metrics import read_metrics
 
     def build(path: Path):
-        done = run_train(base_overrides(path, tiny_data, "reference"), env=train_env(WANDB_MODE="offline"), torchrun=True)
+        done = run_train(base_overrides(path, tiny_data, "reference"), env=train_env(WANDB_MODE="offline"),
+                         torchrun=True)
         output = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr, "seconds": done.seconds}
         (path / "reference.json").write_text(json.dumps(output))
 

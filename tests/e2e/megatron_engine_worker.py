@@ -1,4 +1,5 @@
-"""Worker (run under torchrun by test_megatron_engine.py): the CUDA engine on CPU tensors.
+"""Worker (two ranks, forked by test_megatron_engine.py as torchrun starts them: tests/dist.py):
+the CUDA engine on CPU tensors.
 
 The trainer's CUDA path (engine._megatron: Float16Module, megatron-core's DDP, get_megatron_optimizer,
 get_forward_backward_func; checkpoint save/load of its optimizers) allocates on CUDA, so it cannot

@@ -9,11 +9,10 @@ precision optimizer, under DDP and FSDP2: tests/e2e/test_fsdp.py.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from tests.dist import run_entry_point
 from tests.e2e.conftest import ROOT, train_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -21,14 +20,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 def run_engines(tmp_path, tiny_data, scenarios: dict) -> dict:
     """The scenarios {name: (kind, dtype, overrides...)}, one after another in one two-rank
-    launch of megatron_engine_worker.py: {name: its result}."""
+    launch of megatron_engine_worker.py (its ranks forked as torchrun starts them: tests/dist.py):
+    {name: its result}."""
     argv = []
     for name, (kind, dtype, *overrides) in scenarios.items():
         argv += [*(["--"] if argv else []), kind, str(tmp_path / f"ckpt_{name}"), dtype, f"data.dir={tiny_data}", *overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "e2e" / "megatron_engine_worker.py"), *argv]
-    done = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=150 * len(scenarios),
-                          check=False)
+    done = run_entry_point(argv, 2, env=train_env(), cwd=ROOT, timeout=150 * len(scenarios),
+                           main="tests.e2e.megatron_engine_worker:main")
     results = {}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
