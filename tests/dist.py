@@ -14,13 +14,13 @@ then kills what is left: a hang or a rank stuck in a collective fails the test i
 CI. Collectives themselves time out after ``collective_timeout`` seconds (gloo and NCCL honour the
 process group's timeout), so a rank waiting for a dead peer errors out and says so.
 
-On CPU (gloo) the ranks are forked from a multiprocessing fork server that imported torch,
+On a CPU machine (gloo) the ranks are forked from a multiprocessing fork server that imported torch,
 triton, cce_parallel and megatron-core once per test process: a rank then starts in a fraction
 of a second instead of re-importing them (about 2 CPU-s for torch, 4 more with megatron-core). The
 server only imports (no Python thread, no process group, no OpenMP pool yet), so forking it is as
 safe as a DataLoader worker's fork. It holds the environment of its start (after
-tests/conftest.py set TRITON_INTERPRET=1), not a later os.environ. NCCL ranks are spawned afresh,
-so that no CUDA state can cross a fork. Children find the test modules through the parent's
+tests/conftest.py set TRITON_INTERPRET=1), not a later os.environ. Where CUDA is present, every
+rank is spawned afresh (forking()). Children find the test modules through the parent's
 sys.path.
 
 run_entry_point forks the train job's ranks from the same server (which imported the trainer
@@ -153,8 +153,15 @@ _PRELOAD = ["tests.dist", "cce_parallel.parallel", "megatron.core", "cce_paralle
             "cce_parallel.train.trainer"]
 
 
+def forking() -> bool:
+    """Whether ranks fork from the fork server: in a CPU test run (the Triton interpreter) on a
+    machine without CUDA. Where CUDA is present, importing megatron-core and the trainer may start
+    it in the server, and a forked rank then cannot use it: there every rank is spawned afresh."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+
+
 def _context(backend: str):
-    if backend == "nccl":
+    if backend == "nccl" or not forking():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts: on first use
@@ -305,7 +312,7 @@ def _entry_point_rank(main, argv, environ, cwd, stdout, stderr):
 def run_entry_point(argv, nproc: int, *, env: dict, cwd, timeout: float,
                     main: str = "cce_parallel.train.__main__:main"):
     """``torchrun --standalone --nproc-per-node=nproc -m cce_parallel.train *argv`` on CPU, with the
-    ranks forked (see the module's doc), or another entry point's main (module:function, reading
+    ranks forked (spawned where CUDA is present: forking()), or another entry point's main (module:function, reading
     sys.argv): a subprocess.CompletedProcess whose stdout and stderr are the ranks' together, as
     torchrun's are, and whose returncode is torchrun's (1 if a rank failed). As torchrun does, the
     first rank that fails stops the others: SIGTERM, then SIGKILL after _SHUTDOWN_S. Raises

@@ -49,15 +49,14 @@ def train_command(overrides, *, nproc: int | None = 2, recipe: str | None = None
 def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=None, check=True, recipe=None,
               torchrun=False):
     """A run of the entry point, to its end: nproc ranks, or a plain ``python -m`` start with
-    nproc=None. On CPU the ranks are forked as torchrun would start them (tests/dist.py:
+    nproc=None. On a CPU machine the ranks are forked as torchrun would start them (tests/dist.py:
     run_entry_point), unless torchrun=True: for tests of torchrun's part (its exit status, its
     stopping the other ranks) and for environments a fork cannot take (a sitecustomize)."""
     env = env or train_env()
     start = time.monotonic()
-    cpu = env.get("TRITON_INTERPRET") == os.environ.get("TRITON_INTERPRET") == "1"
-    if nproc is not None and not torchrun and cpu:
-        from tests.dist import run_entry_point
+    from tests.dist import forking, run_entry_point
 
+    if nproc is not None and not torchrun and forking() and env.get("TRITON_INTERPRET") == "1":
         argv = (["--recipe", recipe] if recipe else []) + ["--set", *overrides]
         done = run_entry_point(argv, nproc, env=env, cwd=ROOT, timeout=timeout)
     else:
