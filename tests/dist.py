@@ -312,11 +312,11 @@ def _entry_point_rank(main, argv, environ, cwd, stdout, stderr):
 def run_entry_point(argv, nproc: int, *, env: dict, cwd, timeout: float,
                     main: str = "cce_parallel.train.__main__:main"):
     """``torchrun --standalone --nproc-per-node=nproc -m cce_parallel.train *argv`` on CPU, with the
-    ranks forked (spawned where CUDA is present: forking()), or another entry point's main (module:function, reading
-    sys.argv): a subprocess.CompletedProcess whose stdout and stderr are the ranks' together, as
-    torchrun's are, and whose returncode is torchrun's (1 if a rank failed). As torchrun does, the
-    first rank that fails stops the others: SIGTERM, then SIGKILL after _SHUTDOWN_S. Raises
-    subprocess.TimeoutExpired after timeout seconds (the ranks killed)."""
+    ranks forked (spawned where CUDA is present: forking()), or another entry point's main
+    (module:function, reading sys.argv): a subprocess.CompletedProcess whose stdout and stderr are
+    the ranks' together, as torchrun's are, and whose returncode is torchrun's (1 if a rank
+    failed). As torchrun does, the first rank that fails stops the others: SIGTERM, then SIGKILL
+    after _SHUTDOWN_S. Raises subprocess.TimeoutExpired after timeout seconds (the ranks killed)."""
     import signal
     import socket
     import subprocess
