@@ -33,9 +33,14 @@ start's re-launch, signals, its grace, a killed agent) is tested through torchru
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import os
 import queue as queue_lib
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -255,18 +260,20 @@ def spawn(
     return GroupOutcome(world_size, outcomes, time.monotonic() - start, timed_out)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def one_megatron_rank():
     """This process as a world of one (gloo) with megatron-core's model-parallel state at TP 1 x
     PP 1: for building and running a GPTModel in the test process itself."""
-    import socket
-
     from megatron.core import parallel_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     try:
         yield
@@ -284,9 +291,6 @@ _SHUTDOWN_S = 30.0
 def _entry_point_rank(main, argv, environ, cwd, stdout, stderr):
     """One rank: torchrun's environment, the run's output files on fds 1 and 2, sys.argv, then
     main() (module:function), whose return value (None: 0) is the exit status."""
-    import importlib
-    import sys
-
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -317,13 +321,7 @@ def run_entry_point(argv, nproc: int, *, env: dict, cwd, timeout: float,
     the ranks' together, as torchrun's are, and whose returncode is torchrun's (1 if a rank
     failed). As torchrun does, the first rank that fails stops the others: SIGTERM, then SIGKILL
     after _SHUTDOWN_S. Raises subprocess.TimeoutExpired after timeout seconds (the ranks killed)."""
-    import signal
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = _context("gloo")
     tmp = tempfile.mkdtemp(prefix="cce_ranks_")
     stdout, stderr = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")

@@ -17,12 +17,13 @@ it uses megatron-core, a loss mask folded with ``mask_labels``.
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "<!-- runs on CPU in tests/test_readme.py -->"
@@ -38,12 +39,6 @@ def runnable_blocks(text: str) -> list[str]:
 
 def _readme_blocks() -> list[str]:
     return runnable_blocks((ROOT / "README.md").read_text())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_readme_marks_its_examples():
@@ -71,7 +66,7 @@ def test_readme_example_runs(index, tmp_path):
         WORLD_SIZE="1",
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
     )
     env.pop("CCE_TEST_GPU", None)
     proc = subprocess.run(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist import forking, run_entry_point
 from tests.shared import build_once, worker_copy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,8 +55,6 @@ def run_train(overrides, *, nproc: int | None = 2, timeout: float = 300, env=Non
     stopping the other ranks) and for environments a fork cannot take (a sitecustomize)."""
     env = env or train_env()
     start = time.monotonic()
-    from tests.dist import forking, run_entry_point
-
     if nproc is not None and not torchrun and forking() and env.get("TRITON_INTERPRET") == "1":
         argv = (["--recipe", recipe] if recipe else []) + ["--set", *overrides]
         done = run_entry_point(argv, nproc, env=env, cwd=ROOT, timeout=timeout)
