@@ -142,6 +142,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 a, k = entropy_coefficients(a, k, mean_z, cfg)
             return a, b, u, k
 
+        def take_out(rows, valid=None):
+            """A mask's correction: the one-pass part of the given rows (kept ones where `valid`)
+            taken out of the forward's fp32 dC, in one more sweep of those rows alone; returns
+            their fp32 dbias part (negated), or None. The rows are the same on every rank (they all
+            get the same upstream gradient), so under tensor parallelism their statistics are
+            all-reduced alike."""
+            g_m = grad_scale.neg().expand(rows.numel())  # the forward's weights of those rows, negated
+            h_m = (g_m * ent_weights[rows]).contiguous() if ent_weights is not None else None
+            g_m = (g_m * weights[rows] if weights is not None else g_m).contiguous()
+            kept = keep[rows] if valid is None else keep[rows] & valid
+            prepared = (targets[rows], kept, counts, torch.ones_like(grad_scale))
+            return one_pass(e_all[rows], c, bias, targets[rows], g_m, 0, lambda: prepared, lambda bad: None,
+                            _sweep_cfg(cfg, ent_weights), comm, main_grad=True, dc_into=dc1, ent_weights=h_m)[5]
+
         n = keep.shape[0]
         e_dtype = c.dtype  # e and c share the dtype (checked in ops/functional.py)
         if g_lse is not None and not torch.count_nonzero(g_lse):
@@ -200,8 +214,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 g_k = torch.where(keep, g, 0.0)
                 w = g_k / grad_scale
                 if cfg.fp32_grads:  # the state knew of masks (masked_weights_seen): sort on the host
-                    kind, r, masked = upstream._weights_kind(w, keep)  # the one host sync
-                    ratio = torch.full((), r, **f32) if r is not None else None
+                    kind_of = upstream._weights_kind(w, keep)
                 else:  # the device decides, no host sync (see _weights_over_kept)
                     kind = "device"
                     ratio, weighted = upstream._weights_over_kept(w, keep)
@@ -209,6 +222,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     # dE is linear in each token's weight: its fp32 rows scale exactly, whatever w is.
                     de = kernels.scaled_copy(de1, w[comm.rank * de1.shape[0]: (comm.rank + 1) * de1.shape[0]]
                                              if sp else w, e_dtype)
+                if cfg.fp32_grads:
+                    # Before the one host sync (which waits for the forward), the correction of as many
+                    # masked rows as the last mask had (ops/upstream.py): the GPU runs it while the host
+                    # learns the weights' kind and queues the rest. Where they are no mask after all,
+                    # it has taken out nothing (no weight 0) or dC is recomputed (below).
+                    sweep = state is not None and (dc1 is not None or db1 is not None)
+                    ahead = min(state.masked_rows, n) if sweep else 0
+                    if ahead:
+                        rows = torch.nonzero_static(keep & (w == 0), size=ahead, fill_value=-1).squeeze(1)
+                        db_ahead = take_out(rows.clamp(min=0), rows >= 0)
+                    kind, r, masked = kind_of()  # the one host sync
+                    ratio = torch.full((), r, **f32) if r is not None else None
             if kind in ("one", "device"):
                 paths["checked" if kind == "device" else "scaled"] += 1
                 report = None
@@ -238,21 +263,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                         state.report(report, cfg.loss_scale, cfg.loss_scale_given)
             elif kind == "mask" and not low:
                 # Weights r on most kept tokens, 0 on the m masked ones: dC = r (dC1 - the masked rows'
-                # part), that part made by one more pass on those m rows alone (the fused GEMM, then
-                # dC's GEMM into the fp32 dC1; dbias likewise), then scaled by r and rounded once, in
-                # one pass. The m rows are the same on every rank (they all get the same upstream
-                # gradient), so under tensor parallelism their statistics are all-reduced alike.
+                # part), that part made by one more pass on those m rows alone (take_out: the fused
+                # GEMM, then dC's GEMM into the fp32 dC1; dbias likewise), then scaled by r and
+                # rounded once, in one pass.
                 paths["mask_corrected"] += 1
+                if state is not None:
+                    state.masked_rows = masked
                 dc = db = None
                 if dc1 is not None or db1 is not None:
-                    rows = torch.nonzero_static(keep & (w == 0), size=masked).squeeze(1)  # no second sync
-                    g_m = grad_scale.neg().expand(rows.numel())  # the forward's weights of those rows, negated
-                    h_m = (g_m * ent_weights[rows]).contiguous() if ent_weights is not None else None
-                    g_m = (g_m * weights[rows] if weights is not None else g_m).contiguous()
-                    prepared = (targets[rows], keep[rows], counts, torch.ones_like(grad_scale))
-                    _, _, _, _, _, db2, _ = one_pass(e_all[rows], c, bias, targets[rows], g_m, 0, lambda: prepared,
-                                                     lambda bad: None, _sweep_cfg(cfg, ent_weights), comm,
-                                                     main_grad=True, dc_into=dc1, ent_weights=h_m)
+                    db2 = db_ahead if ahead else None
+                    if masked > ahead:  # the rows past those taken out before the sync
+                        rows = torch.nonzero_static(keep & (w == 0), size=masked)[ahead:].squeeze(1)
+                        rest = take_out(rows)
+                        db2 = rest if db2 is None or rest is None else db2.add_(rest)
                     if db1 is not None:
                         db = db1.add_(db2).mul_(ratio).to(bias.dtype)
                     if dc1 is not None and main is not None:

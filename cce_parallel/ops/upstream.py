@@ -13,7 +13,9 @@ host sync (_weights_over_kept): one number, as above; otherwise kernels.weighted
 dC, dbias and a bf16 dE (exact). Where the forward made fp32 gradients for a mask (LossConfig.fp32_grads),
 the backward sorts the weights in one host sync (_weights_kind): for a mask (one number r and 0 on
 m tokens) dC and dbias become r (dC - the m rows' part), that part made by one more one-pass sweep of
-those m rows alone, so that the cost follows m.
+those m rows alone, so that the cost follows m. That sync waits for the forward to finish; so that
+the GPU does not idle while the host then queues the sweep, the sweep of as many masked rows as the
+last mask had (UpstreamState.masked_rows) is queued before it, and only the rows past those after.
 
 A call's path follows from its arguments and from the UpstreamState it is given, and from nothing
 else. A LinearCrossEntropy module and the Megatron output layer each own one, which learns from
@@ -63,22 +65,38 @@ def _weights_over_kept(w: torch.Tensor, keep: torch.Tensor):
 
 
 def _weights_kind(w: torch.Tensor, keep: torch.Tensor):
-    """(kind, r, m) of the per-token weights w over the kept tokens, in one host sync: ("one", r, 0)
-    where they all equal r (0 where all are 0 or nothing is kept); ("mask", r, m) where they are 0
-    on m of them and r on all the others; ("many", None, 0) otherwise, NaN included (it must reach
-    the gradients)."""
+    """A function that gives (kind, r, m) of the per-token weights w over the kept tokens: ("one",
+    r, 0) where they all equal r (0 where all are 0 or nothing is kept); ("mask", r, m) where they
+    are 0 on m of them and r on all the others; ("many", None, 0) otherwise, NaN included (it must
+    reach the gradients). The numbers are reduced and copied to the host now, without blocking;
+    calling the function waits for them alone (an event, one host sync), not for work queued after,
+    so the caller can queue work for the GPU before it waits."""
     if not w.numel():
-        return "one", 0.0, 0
+        return lambda: ("one", 0.0, 0)
     inf = float("inf")
     nonzero = keep & (w != 0)  # NaN counts as nonzero: amin / amax propagate it
-    lo, hi, zeros = torch.stack([torch.where(nonzero, w, inf).amin().double(),
-                                 torch.where(nonzero, w, -inf).amax().double(),
-                                 (keep & (w == 0)).sum().double()]).tolist()
-    if lo == inf:
-        return "one", 0.0, 0
-    if lo != hi:  # NaN too
-        return "many", None, 0
-    return ("mask" if zeros else "one"), lo, int(zeros)
+    packed = torch.stack([torch.where(nonzero, w, inf).amin().double(),
+                          torch.where(nonzero, w, -inf).amax().double(),
+                          (keep & (w == 0)).sum().double()])
+    event = None
+    if packed.is_cuda:
+        host = torch.empty(3, dtype=torch.float64, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        packed = host
+
+    def result():
+        if event is not None:
+            event.synchronize()
+        lo, hi, zeros = packed.tolist()
+        if lo == inf:
+            return "one", 0.0, 0
+        if lo != hi:  # NaN too
+            return "many", None, 0
+        return ("mask" if zeros else "one"), lo, int(zeros)
+
+    return result
 
 
 class UpstreamState:
@@ -93,6 +111,10 @@ class UpstreamState:
     masked_weights_seen: such a backward got one number and 0 (Megatron's (loss * loss_mask).sum()
     / count with the mask not folded into ignore_index): later reduction="none" calls make dC and
     dE in fp32, so that the backward takes out the masked rows' part.
+    masked_rows: how many kept tokens the last such correction took out. The next backward queues
+    its correction on that many masked rows before the host learns their count (the one host sync
+    of a mask), so the GPU works while the host waits, and only rows past that many are left for
+    after it; 0: nothing is queued ahead.
     loss_scale: the number a bf16 dC and dE are made for when the call gives none: what the reduced
     loss is multiplied by before its backward (1 / micro-batches in Megatron's schedule), learned
     from a backward that brought another (its gradients were recomputed, exact, slow).
@@ -113,6 +135,7 @@ class UpstreamState:
         """Forget everything learned: the next call takes the path its arguments choose."""
         self.per_token_weights_seen = False
         self.masked_weights_seen = False
+        self.masked_rows = 0
         self.loss_scale = 1.0
         self.loss_scale_unsteady = False
         self.paths = Counter()
@@ -127,6 +150,8 @@ class UpstreamState:
         for name in ("per_token_weights_seen", "masked_weights_seen", "loss_scale_unsteady"):
             if getattr(self, name):
                 learned.append(f"{name}=True")
+        if self.masked_rows:
+            learned.append(f"masked_rows={self.masked_rows}")
         return f"UpstreamState({', '.join(learned)}, paths={dict(self.paths)})"
 
     def expect_loss_scale(self, scale: float) -> None:

@@ -210,6 +210,39 @@ def test_masked_upstream_subtracts_the_masked_rows(options, masked, device, lean
     assert state.paths == {"one_pass": 3, "checked": 1, "recomputed": 1, "mask_corrected": 2}
 
 
+def test_masked_rows_taken_out_before_the_sync_follow_the_last_mask(device, lean_calls, pass_rows, state):
+    """The correction of as many masked rows as the last mask had is queued before the host learns
+    this one's count (UpstreamState.masked_rows): a mask with more masked rows takes the rest in a
+    second sweep, one with fewer leaves the surplus rows without weight, and weights that turn out
+    to be one number take nothing out. Each call's gradients match the oracle."""
+    x = inputs(device)
+    kept = x["targets"] != -100
+    draws = torch.rand(x["targets"].shape, generator=torch.Generator().manual_seed(5)).to(device)
+    options = {"impl": IMPL, "reduction": "none", "state": state}
+    # (fraction masked, one-pass rows the call makes: its forward and its corrections in order)
+    plan = [(0.1, None), (0.1, None), (0.3, "more"), (0.15, "fewer"), (0.0, "none")]
+    learned = []
+    for call, (masked, case) in enumerate(plan):
+        mask = (draws >= masked).float()
+        count = int(((mask == 0) & kept).sum())
+        grad_loss = mask * (3.0 / mask.sum())
+        check_against_oracle(linear_cross_entropy, x, options, TIGHT, grad_loss=grad_loss, label=f"call {call}")
+        if case == "more":
+            assert pass_rows == [N, learned[-1], count - learned[-1]] and count > learned[-1]
+        elif case == "fewer":
+            assert pass_rows == [N, learned[-1]] and count < learned[-1]
+        elif case == "none":
+            assert pass_rows == [N, learned[-1]] and count == 0
+        pass_rows.clear()
+        learned.append(state.masked_rows)
+    assert learned[1:4] == [int(((draws < f) & kept).sum()) for f in (0.1, 0.3, 0.15)]
+    assert learned[4] == learned[3]  # one number teaches no mask
+    assert lean_calls == [] and state.paths["mask_corrected"] == 3 and state.paths["scaled"] == 1
+    assert f"masked_rows={learned[4]}" in repr(state)
+    state.reset()
+    assert state.masked_rows == 0
+
+
 def test_masked_upstream_into_main_grad(device, lean_calls, pass_rows, state):
     """With Megatron's main_grad (gradient-accumulation fusion) dC goes into it: recomputed by the
     device at the first call, corrected on the masked rows (fp32, unrounded) at the second; c gets
