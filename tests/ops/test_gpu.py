@@ -390,34 +390,42 @@ def test_bf16_masked_upstream_not_folded():
     (10 % masked), bf16: the first backwards recompute dC and dE on the device (the forward rounded
     them to bf16; the host learns of the mask one call late), after which per-token calls make them
     in fp32 and their backward subtracts the masked rows' part (one more pass on those rows
-    alone). Every call's errors are within plain bf16 PyTorch's."""
+    alone). Later masks with more (20 %) and fewer (5 %) masked rows: the rows of the last mask
+    are taken out before the host sync (UpstreamState.masked_rows), the rest after. Every call's
+    errors are within plain bf16 PyTorch's."""
     from cce_parallel.ops import autograd
 
     state = cce_parallel.UpstreamState()
 
     n, v, d = 4096, 32064, 3072
     inputs = random_inputs((n,), v, d, dtype=BF16, device=torch.device("cuda"))
+    kept = inputs["targets"] != -100
     g = torch.Generator(device="cuda").manual_seed(3)
-    mask = (torch.rand(n, device="cuda", generator=g) >= 0.1).float()
-    grad_loss = mask * (3.0 / mask.sum())
-    ref = oracle(**inputs, grad_loss=grad_loss, chunk_size=ORACLE_ELEMENTS // v, reduction="none")
-    plain_errs = errors(plain_torch(**inputs, grad_loss=grad_loss, reduction="none"), ref)
+    draws = torch.rand(n, device="cuda", generator=g)
     pass_rows = []
     one_pass = autograd.one_pass
     autograd.one_pass = lambda e, *a, **k: pass_rows.append(e.shape[0]) or one_pass(e, *a, **k)
+    counts = []
     try:
-        for call in range(3):
+        for call, masked in enumerate([0.1, 0.1, 0.1, 0.2, 0.05]):
+            mask = (draws >= masked).float()
+            counts.append(int(((mask == 0) & kept).sum()))
+            grad_loss = mask * (3.0 / mask.sum())
+            ref = oracle(**inputs, grad_loss=grad_loss, chunk_size=ORACLE_ELEMENTS // v, reduction="none")
+            plain_errs = errors(plain_torch(**inputs, grad_loss=grad_loss, reduction="none"), ref)
             out = run(linear_cross_entropy, inputs, {"impl": "cce_kahan_full_c", "reduction": "none", "state": state},
                       grad_loss)
             errs = errors(out, ref)
-            show(f"masked upstream, not folded, call {call}", errs, plain_errs)
+            show(f"masked upstream, not folded, call {call} ({masked:.0%})", errs, plain_errs)
             bad = worse_than_plain(errs, plain_errs)
             assert not bad, f"worse than plain PyTorch: {bad} vs {plain_errs}"
     finally:
         autograd.one_pass = one_pass
     assert state.masked_weights_seen and not state.per_token_weights_seen
-    masked_kept = int(((mask == 0) & (inputs["targets"] != -100)).sum())
-    assert pass_rows == [n, n, n, masked_kept], pass_rows  # the third call's correction
+    # The third call's correction (the host learned of the mask one call late), the fourth's in
+    # two sweeps (before the sync, after), the fifth's in one with rows to spare.
+    assert pass_rows == [n, n, n, counts[2], n, counts[2], counts[3] - counts[2], n, counts[3]], pass_rows
+    assert state.masked_rows == counts[4] and counts[4] < counts[2] < counts[3]
 
 
 @pytest.mark.parametrize("budget, upstream_kind", [("auto", "mean"), ("lean", "mean"), ("auto", "masked"),
