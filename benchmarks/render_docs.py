@@ -512,7 +512,7 @@ def performance_train_1gpu() -> str:
 
 # The calling-patterns run (benchmarks/README.md, "loss"), e.g. "h200_<yyyymmdd>_patterns", that docs/api.md's
 # api-calling-patterns block renders: None until it is committed (the block then fails, saying so).
-CALLING: str | None = "h200_20261128_patterns"
+CALLING: str | None = "h200_20261129_patterns"
 PATH_ORDER = ("one_pass", "lean", "scaled", "checked", "recomputed", "deferred", "mask_corrected")  # forwards first
 
 
