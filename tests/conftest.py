@@ -25,6 +25,7 @@ _MARKS = {
     "gpu": "needs a CUDA GPU (skipped without one)",
     "distributed": "spawns several processes",
     "slow": "long-running",
+    "interpreter": "runs the Triton kernels on CPU tensors (skipped without TRITON_INTERPRET=1, as with CCE_TEST_GPU=1)",
 }
 
 
@@ -40,6 +41,11 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in gpu_items:
             item.add_marker(skip)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors would take impl="torch"'s path
+        skip = pytest.mark.skip(reason="runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+        for item in items:
+            if item.get_closest_marker("interpreter") is not None:
+                item.add_marker(skip)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker
         _longest_modules_first(items)
 

@@ -15,7 +15,7 @@ import pytest
 from tests.dist import run_entry_point
 from tests.e2e.conftest import ROOT, train_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.interpreter]
 
 
 def run_engines(tmp_path, tiny_data, scenarios: dict) -> dict:

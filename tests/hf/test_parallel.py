@@ -76,6 +76,7 @@ def _worker(rank, world_size, report, hf_dirs):
             report.result(name, {"error": traceback.format_exc()})
 
 
+@pytest.mark.interpreter
 def test_tp2_and_pp2_load_and_merge(tmp_path):
     hf_dirs, refs = {}, {}
     tokens, labels = tiny.batch()

@@ -341,6 +341,7 @@ def test_grpo_step_matches_megatron_logits(case):
         assert r["grad"] <= TOL, r
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", list(CASES))
 def test_on_policy_step_folded_into_loss_and_entropy_weights(case):
     for rank, r in _per_rank(f"{case}/folded", case).items():

@@ -143,6 +143,7 @@ def outcome():
     return spawn(_worker, 2, timeout=300.0)
 
 
+@pytest.mark.interpreter
 def test_model_folds_the_loss_mask(outcome):
     assert outcome.ok, outcome.describe()
     merged = outcome.merged()

@@ -300,6 +300,7 @@ def _per_rank(name: str) -> dict:
     return per_rank
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 @pytest.mark.parametrize("kind", WEIGHTS)
 def test_layer_weighted_loss_matches_megatron(kind, sp):

@@ -252,6 +252,7 @@ def outcome():
     return spawn(_worker, 2, timeout=300.0)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["tp2-mtp1", "tp2-sp-mtp2", "tp2-sp-tied-ddp-mtp2", "pp2-ddp-mtp1"])
 def test_mtp_matches_megatron(outcome, name):
     assert outcome.ok, outcome.describe()
