@@ -76,6 +76,8 @@ def main(argv=None) -> int:
         device = launch.resolve_device(recipe)
         world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else launch.needed_world_size(recipe)
         recipe.check_world(world, device)  # fail before starting any process
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launch.under_torchrun() else world
+        launch.check_gpus(device, per_node)
         if not launch.under_torchrun() and world > 1:
             from cce_parallel.train.data import prepare
 

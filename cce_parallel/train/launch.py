@@ -51,6 +51,20 @@ def resolve_device(recipe: Recipe) -> str:
     return wanted
 
 
+def check_gpus(device: str, per_node: int):
+    """RecipeError where this node would start more processes than it has GPUs: each rank takes
+    the GPU of its local rank, and one past the last would fail with "invalid device ordinal"."""
+    if device != "cuda" or per_node <= torch.cuda.device_count():
+        return
+    from cce_parallel.config import RecipeError
+
+    count = torch.cuda.device_count()
+    raise RecipeError(
+        f"run.device: cuda, {per_node} processes on this node (one GPU each), but torch sees {count} CUDA "
+        f"device(s): start at most {count} per node (torchrun --nproc-per-node={count}), or set run.device=cpu"
+    )
+
+
 def needed_world_size(recipe: Recipe) -> int:
     p = recipe.parallel
     return p.tensor * p.pipeline * (p.data or 1)

@@ -437,6 +437,33 @@ def test_every_rank_reports_a_bad_recipe(monkeypatch, capsys):
         signal.signal(signal.SIGTERM, before)
 
 
+def test_more_processes_per_node_than_gpus(monkeypatch, capsys):
+    """A node that would start more processes than it has GPUs (each rank takes its local rank's)
+    is refused before any process starts, in one line, not by rank N's "invalid device ordinal"."""
+    pytest.importorskip("yaml")
+    import cce_parallel.train.__main__ as cli
+    from cce_parallel.train import launch
+
+    from cce_parallel.train import data
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(data, "prepare", lambda *a: pytest.fail("went on to prepare the data"))
+    monkeypatch.setattr(launch, "relaunch", lambda *a: pytest.fail("went on to start torchrun"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["--set", "run.device=cuda", "train.steps=10"]) == 2  # the tiny recipe: 2 processes
+    err = capsys.readouterr().err
+    assert err.startswith("cce-train: invalid recipe: run.device: cuda, 2 processes on this node") and \
+        "torch sees 1 CUDA device(s)" in err and "--nproc-per-node=1" in err and err.count("\n") == 1, err
+    # Under torchrun the node's share is LOCAL_WORLD_SIZE.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match="2 processes on this node"):
+        launch.check_gpus("cuda", int(os.environ["LOCAL_WORLD_SIZE"]))
+    launch.check_gpus("cuda", 1)
+    launch.check_gpus("cpu", 8)
+
+
 def test_cuda_only_features_on_cpu():
     assert _error({"parallel": {"pipeline": 2}}, world=4).startswith("parallel.pipeline")
     assert _error({"parallel": {"distributed_optimizer": True}}, world=2).startswith("parallel.distributed_optimizer")
