@@ -47,6 +47,7 @@ def test_readme_marks_its_examples():
     assert (ROOT / "README.md").read_text().count(MARKER) == len(_readme_blocks())
 
 
+@pytest.mark.interpreter  # the examples run on CPU tensors
 @pytest.mark.parametrize("index", range(len(_readme_blocks())))
 def test_readme_example_runs(index, tmp_path):
     code = _readme_blocks()[index]

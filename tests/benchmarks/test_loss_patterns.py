@@ -24,6 +24,7 @@ def expected(pattern: str, per_token: torch.Tensor) -> torch.Tensor:
     return (mask * per_token).sum() / mask.sum()  # masked, folded, unfolded, fwd_masked
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("pattern", ["", "fwd_weighted", "fwd_masked", "masked", "folded", "unfolded", "weighted"])
 def test_each_pattern_computes_the_loss_and_gradients_it_describes(bench_loss, pattern):
     """Two calls (the second on the path the first taught the module), fp32 on the Triton interpreter,
@@ -54,6 +55,7 @@ def test_each_pattern_computes_the_loss_and_gradients_it_describes(bench_loss, p
     assert bench_loss.build_methods([f"ours:{IMPL}"])[0].make().state is not fn.state  # a module per make()
 
 
+@pytest.mark.interpreter
 def test_a_cpu_smoke_run_records_each_patterns_reference_and_paths(bench_loss, tmp_path):
     """`loss --cpu-smoke` with the patterns: every method ran, each pattern's loss is checked against
     the fp32 reference of its own loss, and each ours method's result has the paths its module took."""

@@ -99,6 +99,7 @@ def _step(recipe, batch, loss_mask):
     return model, (loss * loss_mask).detach(), logged, grads
 
 
+@pytest.mark.interpreter
 def test_a_training_step_with_mtp_matches_megatrons_loss():
     """The recipe's model (TP 1, fp32, CPU) with model.mtp_num_layers=2: CCE's losses and every
     gradient are those of the same model with loss.impl=megatron."""

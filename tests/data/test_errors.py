@@ -159,7 +159,8 @@ def test_training_reports_bad_data_in_one_line(tmp_path):
     pytest.importorskip("yaml")
     name, source, message = _bad_sources(tmp_path)[2]  # a bad JSON line
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root), WANDB_MODE="disabled")
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))  # megatron-core may be there
+    env = dict(os.environ, PYTHONPATH=path, WANDB_MODE="disabled")
     env.pop("RANK", None)
     done = subprocess.run(
         [sys.executable, "-m", "cce_parallel.train", "--set", f"data.source={source}",

@@ -133,7 +133,9 @@ def _descendants(pid: int) -> list[int]:
 
 
 def base_overrides(tmp_dir: Path, data_dir: Path, name: str) -> list[str]:
-    return [f"run.out_dir={tmp_dir}", f"run.name={name}", f"data.dir={data_dir}"]
+    """A run of the tiny recipe on CPU (gloo) even where CUDA is present, as in CI; the GPU tests
+    add run.device=cuda after these."""
+    return [f"run.out_dir={tmp_dir}", f"run.name={name}", f"data.dir={data_dir}", "run.device=cpu"]
 
 
 @pytest.fixture(scope="session")

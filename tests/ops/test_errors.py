@@ -174,7 +174,7 @@ def test_mixed_cuda_cpu_devices(which, impl, cuda):
         call(args, impl=impl)
 
 
-@pytest.mark.parametrize("late", [True, False])
+@pytest.mark.parametrize("late", [True, pytest.param(False, marks=pytest.mark.interpreter)])
 def test_triton_interpret_set_after_triton_names_the_cause(late):
     """TRITON_INTERPRET=1 set after triton's import (megatron.core imports triton) left triton's own
     functions compiled: the kernels failed with "Cannot call @triton.jit'd outside of the scope of
