@@ -11,6 +11,13 @@ import torch
 
 from tests.oracle import Outputs, oracle, rel_err
 
+
+def child_pythonpath(*first) -> str:
+    """PYTHONPATH for a child process: `first`, then the caller's PYTHONPATH (where packages may be
+    installed with pip --target, as megatron-core is on the GPU image)."""
+    outer = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([str(p) for p in first] + ([outer] if outer else []))
+
 FIELDS = ("loss", "lse", "de", "dc", "dbias")
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist import free_port
+from tests.helpers import child_pythonpath
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "<!-- runs on CPU in tests/test_readme.py -->"
@@ -61,7 +62,7 @@ def test_readme_example_runs(index, tmp_path):
     env.update(
         TRITON_INTERPRET="1",
         CUDA_VISIBLE_DEVICES="",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        PYTHONPATH=child_pythonpath(ROOT),
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",

@@ -7,6 +7,7 @@ import pytest
 
 from cce_parallel.data import DataError, load_dataset_info, load_tokenizer, prepare_dataset
 from cce_parallel.data.sources import open_source
+from tests.helpers import child_pythonpath
 
 
 def test_missing_source(tmp_path):
@@ -159,8 +160,7 @@ def test_training_reports_bad_data_in_one_line(tmp_path):
     pytest.importorskip("yaml")
     name, source, message = _bad_sources(tmp_path)[2]  # a bad JSON line
     root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))  # megatron-core may be there
-    env = dict(os.environ, PYTHONPATH=path, WANDB_MODE="disabled")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(root), WANDB_MODE="disabled")
     env.pop("RANK", None)
     done = subprocess.run(
         [sys.executable, "-m", "cce_parallel.train", "--set", f"data.source={source}",

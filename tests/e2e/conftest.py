@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist import forking, run_entry_point
+from tests.helpers import child_pythonpath
 from tests.shared import build_once, worker_copy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ CACHE_NAME = "megatron_cache"  # cce_parallel.data.prepare.CACHE_NAME: the runs'
 
 def train_env(**extra) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = child_pythonpath(ROOT)
     env.pop("CCE_PARALLEL_KERNEL_CONFIG", None)  # the trainer's CPU defaults, as a user gets them
     env.setdefault("WANDB_MODE", "disabled")
     env["TRITON_INTERPRET"] = "1"

@@ -7,13 +7,14 @@ build. On an H200 with the real apex, llama-1b-owt.yaml died that way before the
 from our spec (benchmarks/results/h200_20261129_apex).
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,10 +44,7 @@ def test_the_job_builds_no_apex_norm_where_apex_is_installed(tmp_path):
     pytest.importorskip("megatron.core")
     (tmp_path / "apex").mkdir()
     (tmp_path / "apex" / "__init__.py").write_text("")
-    # The caller's PYTHONPATH after ours: megatron-core may be installed there (pip --target).
-    outer = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
-    path = os.pathsep.join([str(tmp_path), str(ROOT)] + outer)
-    env = {"PYTHONPATH": path, "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": child_pythonpath(tmp_path, ROOT), "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:2] == ["RMSNorm built", "LayerNorm built"], done.stdout

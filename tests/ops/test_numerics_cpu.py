@@ -28,6 +28,7 @@ from cce_parallel import IMPLS, LinearCrossEntropy, linear_cross_entropy
 from tests.helpers import (
     assert_errors_below,
     check_against_oracle,
+    child_pythonpath,
     errors,
     random_inputs,
     run,
@@ -325,7 +326,7 @@ def test_cpu_without_interpreter_warns_and_uses_torch():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = child_pythonpath(root)
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False
     )

@@ -29,6 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import cce_parallel
 from cce_parallel.parallel.dtensor import chunk_range
 from tests.dist import spawn
+from tests.helpers import child_pythonpath
 
 pytestmark = pytest.mark.distributed
 
@@ -676,7 +677,7 @@ def test_gpu_fsdp2_tp_torchrun():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(root)}
     env.pop("TRITON_INTERPRET", None)
     cmd = [
         sys.executable,
